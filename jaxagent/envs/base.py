@@ -1,0 +1,84 @@
+"""The JAX-native environment contract (gymnax style: pure functions, vmappable, jittable).
+
+An environment is a Python object built once on the host (from a tokenizer, through a
+`TextCodec`) that holds static tables as arrays; its methods are pure functions of their inputs:
+
+    state, obs = env.reset(key)                 # a random task
+    state, obs = env.reset(key, task)           # a given task instance (a pytree of arrays)
+    state, obs, info = env.step(state, action)
+    action = env.oracle_action(state)           # the expert's next action, as tokens
+
+`obs` and `action` are `TokenBuffer`s: fixed-size int32 token arrays plus a length, so a batch of
+episodes has static shapes and `jit(vmap(env.step))` compiles once.
+
+Transcript convention (what the rollout engine and the demonstration builder rely on):
+  * the first observation is the whole prompt: chat-template system turn (tools + task), the user
+    turn, and the assistant header, e.g. for ChatML
+    "<|im_start|>system\n...<|im_end|>\n<|im_start|>user\n...<|im_end|>\n<|im_start|>assistant\n";
+  * an action is the text the agent generated for one turn, *without* the end-of-turn token; in the
+    transcript the action is always followed by `env.codec.end_of_turn_id` (sampled by the policy,
+    or appended by the engine when the turn hit its token limit);
+  * every later observation continues the transcript right after that end-of-turn token: the
+    template's text between turns, the tool/user turn with the result or error message, and the
+    next assistant header.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any, Protocol
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+
+class ErrorKind(enum.IntEnum):
+  """What went wrong with an action. Stored as int32 in `StepInfo.error_kind`."""
+  NONE = 0
+  PARSE_ERROR = 1          # the text is not `name(args)`: empty, garbage, unbalanced, bad UTF-8
+  UNKNOWN_TOOL = 2         # well formed, but names no tool of this environment
+  BAD_ARGUMENTS = 3        # known tool, wrong number / type / range of arguments
+  TOOL_FAILURE = 4         # valid call that the tool rejects (no such entry, a wall in the way)
+  PRECONDITION_FAILED = 5  # valid call not possible in the current state (door locked, ...)
+  WRONG_ANSWER = 6         # a final answer that is wrong (ends the episode unsolved)
+
+
+ERROR_KIND_NAMES = tuple(k.name.lower() for k in ErrorKind)
+
+
+@struct.dataclass
+class TokenBuffer:
+  """A fixed-size token buffer: tokens[..., N] int32 (padding after `length` is ignored)."""
+  tokens: jax.Array  # [..., N] int32
+  length: jax.Array  # [...] int32
+
+
+@struct.dataclass
+class StepInfo:
+  """Per-step outcome. All fields are arrays (scalars per episode; vmapped: [B])."""
+  reward: jax.Array         # float32: 1.0 on the solving step, else 0.0 (shaping is the learner's)
+  done: jax.Array           # bool: the episode ended (solved, final answer given, or failed)
+  solved: jax.Array         # bool: the task is solved at this step
+  final_answer: jax.Array   # bool: the action was a final answer (right or wrong)
+  valid_call: jax.Array     # bool: the action parsed and named a tool with valid arguments
+  error_kind: jax.Array     # int32: an `ErrorKind`
+  oracle_match: jax.Array   # bool: the action equals the oracle's action in the pre-step state
+  optimal_turns: jax.Array  # int32: the task's optimal number of turns (from the reset state)
+
+
+class Environment(Protocol):
+  """What every JAX-native environment provides (see the module docstring)."""
+  name: str
+  codec: Any            # the `TextCodec` it renders and parses with
+  max_obs_len: int      # N of every observation TokenBuffer
+  max_action_len: int   # N of action TokenBuffers (longer actions are a parse error)
+
+  def sample_task(self, key: jax.Array) -> Any: ...
+  def reset(self, key: jax.Array, task: Any = None, budget: jax.Array | int = -1) -> tuple[Any, TokenBuffer]: ...
+  def step(self, state: Any, action: TokenBuffer) -> tuple[Any, TokenBuffer, StepInfo]: ...
+  def oracle_action(self, state: Any) -> TokenBuffer: ...
+
+
+def empty_buffer(n: int) -> TokenBuffer:
+  return TokenBuffer(tokens=jnp.zeros((n,), jnp.int32), length=jnp.zeros((), jnp.int32))
