@@ -1,0 +1,233 @@
+"""The policy network: one Flax NNX decoder for the Qwen2/Qwen2.5, Qwen3 and Llama 3.x families.
+
+GQA attention with RoPE (default, linear or llama3 scaling), RMSNorm, SwiGLU MLP, optional qkv
+bias (Qwen2) and q/k RMSNorm (Qwen3), tied or untied embeddings. Layer parameters are stacked on
+a leading `layers` axis and the forward pass is a `lax.scan` over layers, so compile time does not
+grow with depth. Every parameter carries `logical_axes` metadata (embed, mlp, heads, kv_heads,
+head_dim, vocab, layers) that `jaxagent.sharding` maps onto a mesh.
+
+The hot path is the pure function `apply(cfg, params, tokens, positions, ...)` on a nested dict of
+arrays; the NNX module defines the parameters and their metadata.
+
+KV cache (`KVCache`): slots are filled per row, compactly: row b's valid entries are slots
+[0, length[b]). A chunk of L right-padded tokens with `chunk_lens[b]` real tokens is written at
+slots length[b] .. length[b]+L-1; query l attends slots <= length[b]+l; then length[b] +=
+chunk_lens[b], so the padding is overwritten by the next chunk. Rows of different lengths share a
+batch with no wasted attention over padding and no recompilation.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import nnx, struct
+
+from jaxagent.models.config import ModelConfig
+
+_NEG = -1e30  # finite "minus infinity": fully masked rows stay NaN-free
+
+
+@struct.dataclass
+class KVCache:
+  k: jax.Array       # [layers, B, S, kv_heads, head_dim] compute dtype
+  v: jax.Array       # [layers, B, S, kv_heads, head_dim]
+  length: jax.Array  # [B] int32: number of valid slots per row
+
+  @property
+  def capacity(self) -> int:
+    return self.k.shape[2]
+
+
+def init_cache(cfg: ModelConfig, batch: int, capacity: int) -> KVCache:
+  shape = (cfg.num_layers, batch, capacity, cfg.num_kv_heads, cfg.head_dim)
+  return KVCache(k=jnp.zeros(shape, cfg.jnp_dtype), v=jnp.zeros(shape, cfg.jnp_dtype),
+                 length=jnp.zeros((batch,), jnp.int32))
+
+
+def _param(key, shape, axes, dtype, std=0.02):
+  return nnx.Param(std * jax.random.normal(key, shape, dtype), logical_axes=axes)
+
+
+def _const(value, shape, axes, dtype):
+  return nnx.Param(jnp.full(shape, value, dtype), logical_axes=axes)
+
+
+class DecoderLayers(nnx.Module):
+  """All transformer blocks, each parameter stacked on a leading `layers` axis."""
+
+  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    n, d, f, h, k, hd = (cfg.num_layers, cfg.hidden_size, cfg.intermediate_size, cfg.num_heads,
+                         cfg.num_kv_heads, cfg.head_dim)
+    dt = cfg.jnp_param_dtype
+    self.attn_norm = _const(1.0, (n, d), ("layers", "embed"), dt)
+    self.q_proj = _param(rngs.params(), (n, d, h, hd), ("layers", "embed", "heads", "head_dim"), dt)
+    self.k_proj = _param(rngs.params(), (n, d, k, hd), ("layers", "embed", "kv_heads", "head_dim"), dt)
+    self.v_proj = _param(rngs.params(), (n, d, k, hd), ("layers", "embed", "kv_heads", "head_dim"), dt)
+    self.o_proj = _param(rngs.params(), (n, h, hd, d), ("layers", "heads", "head_dim", "embed"), dt)
+    if cfg.qkv_bias:
+      self.q_bias = _const(0.0, (n, h, hd), ("layers", "heads", "head_dim"), dt)
+      self.k_bias = _const(0.0, (n, k, hd), ("layers", "kv_heads", "head_dim"), dt)
+      self.v_bias = _const(0.0, (n, k, hd), ("layers", "kv_heads", "head_dim"), dt)
+    if cfg.qk_norm:
+      self.q_norm = _const(1.0, (n, hd), ("layers", "head_dim"), dt)
+      self.k_norm = _const(1.0, (n, hd), ("layers", "head_dim"), dt)
+    self.mlp_norm = _const(1.0, (n, d), ("layers", "embed"), dt)
+    self.gate_proj = _param(rngs.params(), (n, d, f), ("layers", "embed", "mlp"), dt)
+    self.up_proj = _param(rngs.params(), (n, d, f), ("layers", "embed", "mlp"), dt)
+    self.down_proj = _param(rngs.params(), (n, f, d), ("layers", "mlp", "embed"), dt)
+
+
+class Decoder(nnx.Module):
+  """Parameter definition of the decoder (see `apply` for the computation)."""
+
+  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    dt = cfg.jnp_param_dtype
+    self.embed = _param(rngs.params(), (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), dt)
+    self.layers = DecoderLayers(cfg, rngs)
+    self.final_norm = _const(1.0, (cfg.hidden_size,), ("embed",), dt)
+    if not cfg.tie_word_embeddings:
+      self.lm_head = _param(rngs.params(), (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"), dt)
+
+
+def abstract_params(cfg: ModelConfig):
+  """(abstract nnx.State with logical-axis metadata, pure dict of ShapeDtypeStructs)."""
+  state = nnx.state(nnx.eval_shape(lambda: Decoder(cfg, nnx.Rngs(0))))
+  return state, state.to_pure_dict()
+
+
+def logical_axes(cfg: ModelConfig) -> dict:
+  """Pure dict, same structure as the params, of each parameter's logical axis names."""
+  state, _ = abstract_params(cfg)
+  out = {}
+  for path, var in nnx.to_flat_state(state):
+    node = out
+    for p in path[:-1]:
+      node = node.setdefault(p, {})
+    node[path[-1]] = var.get_metadata()["logical_axes"]
+  return out
+
+
+def init_params(cfg: ModelConfig, seed: int) -> dict:
+  """Randomly initialised parameters as a pure nested dict of arrays."""
+  return nnx.state(Decoder(cfg, nnx.Rngs(seed))).to_pure_dict()
+
+
+def rms_norm(x, w, eps):
+  xf = x.astype(jnp.float32)
+  xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+  return (w.astype(jnp.float32) * xf).astype(x.dtype)
+
+
+def rope_tables(cfg: ModelConfig, positions):
+  """cos, sin [B, L, head_dim] float32 for positions [B, L] (HF rotate-half layout)."""
+  inv = jnp.asarray(cfg.rope_inv_freq())
+  freqs = positions.astype(jnp.float32)[..., None] * inv
+  emb = jnp.concatenate([freqs, freqs], axis=-1)
+  return jnp.cos(emb), jnp.sin(emb)
+
+
+def apply_rope(x_blhd, cos, sin):
+  half = x_blhd.shape[-1] // 2
+  rot = jnp.concatenate([-x_blhd[..., half:], x_blhd[..., :half]], axis=-1)
+  xf = x_blhd.astype(jnp.float32)
+  out = xf * cos[:, :, None, :] + rot.astype(jnp.float32) * sin[:, :, None, :]
+  return out.astype(x_blhd.dtype)
+
+
+def _layer(cfg: ModelConfig, x_bld, p, cos, sin, mask_bls, k_cache, v_cache, write_at):
+  """One block. With a cache, new k/v go to slots write_at[b] + l and keys are the cache."""
+  dt = cfg.jnp_dtype
+  w = lambda name: p[name].astype(dt)
+  h = rms_norm(x_bld, p["attn_norm"], cfg.rms_norm_eps)
+  q = jnp.einsum("bld,dhk->blhk", h, w("q_proj"))
+  k = jnp.einsum("bld,dhk->blhk", h, w("k_proj"))
+  v = jnp.einsum("bld,dhk->blhk", h, w("v_proj"))
+  if cfg.qkv_bias:
+    q, k, v = q + w("q_bias"), k + w("k_bias"), v + w("v_bias")
+  if cfg.qk_norm:
+    q = rms_norm(q, p["q_norm"], cfg.rms_norm_eps)
+    k = rms_norm(k, p["k_norm"], cfg.rms_norm_eps)
+  q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+  if k_cache is not None:
+    write = jax.vmap(lambda c, new, i: jax.lax.dynamic_update_slice(c, new, (i, 0, 0)))
+    k_cache = write(k_cache, k.astype(k_cache.dtype), write_at)
+    v_cache = write(v_cache, v.astype(v_cache.dtype), write_at)
+    k, v = k_cache, v_cache
+  b, l, nh, hd = q.shape
+  groups = nh // cfg.num_kv_heads
+  q = q.reshape(b, l, cfg.num_kv_heads, groups, hd)
+  scores = jnp.einsum("blkgd,bskd->bkgls", q, k, preferred_element_type=jnp.float32)
+  scores = scores * (hd ** -0.5)
+  scores = jnp.where(mask_bls[:, None, None], scores, _NEG)
+  probs = jax.nn.softmax(scores, axis=-1).astype(dt)
+  attn = jnp.einsum("bkgls,bskd->blkgd", probs, v).reshape(b, l, nh, hd)
+  x_bld = x_bld + jnp.einsum("blhk,hkd->bld", attn, w("o_proj"))
+  h = rms_norm(x_bld, p["mlp_norm"], cfg.rms_norm_eps)
+  gate = jnp.einsum("bld,df->blf", h, w("gate_proj"))
+  up = jnp.einsum("bld,df->blf", h, w("up_proj"))
+  x_bld = x_bld + jnp.einsum("blf,fd->bld", jax.nn.silu(gate) * up, w("down_proj"))
+  return x_bld, k_cache, v_cache
+
+
+def apply(cfg: ModelConfig, params: dict, tokens, positions=None, *, attention_mask=None,
+          cache: KVCache | None = None, chunk_lens=None, return_hidden: bool = False):
+  """Runs the decoder.
+
+  Args:
+    params: pure nested dict (see `init_params`).
+    tokens: [B, L] int32.
+    positions: [B, L] int32 RoPE positions. Default: without a cache, the running count of real
+      tokens (cumsum(attention_mask) - 1, so left or right padding both work); with a cache,
+      cache.length[b] + l.
+    attention_mask: [B, L], 1 on real tokens (no-cache mode only).
+    cache: a `KVCache` to extend; tokens must be right-padded with `chunk_lens[b]` real tokens.
+    chunk_lens: [B] int32, real tokens per row in this chunk (cache mode; default L).
+
+  Returns:
+    (logits [B, L, V] float32, new cache or None); with return_hidden, the final normed hidden
+    states [B, L, D] instead of logits.
+  """
+  b, l = tokens.shape
+  if cache is None:
+    valid = jnp.ones((b, l), bool) if attention_mask is None else attention_mask.astype(bool)
+    if positions is None:
+      positions = jnp.maximum(jnp.cumsum(valid.astype(jnp.int32), axis=1) - 1, 0)
+    idx = jnp.arange(l)
+    mask = (idx[None, :, None] >= idx[None, None, :]) & valid[:, None, :]   # [B, L(q), L(k)]
+    write_at = None
+  else:
+    if chunk_lens is None:
+      chunk_lens = jnp.full((b,), l, jnp.int32)
+    write_at = cache.length
+    slots = write_at[:, None] + jnp.arange(l)[None, :]                      # [B, L]
+    if positions is None:
+      positions = slots
+    mask = jnp.arange(cache.capacity)[None, None, :] <= slots[:, :, None]    # [B, L, S]
+  cos, sin = rope_tables(cfg, positions)
+  x = jnp.take(params["embed"], tokens, axis=0).astype(cfg.jnp_dtype)
+
+  def body(x, xs):
+    p, kc, vc = xs
+    x, kc, vc = _layer(cfg, x, p, cos, sin, mask, kc, vc, write_at)
+    return x, (kc, vc)
+
+  xs = (params["layers"], None if cache is None else cache.k, None if cache is None else cache.v)
+  x, (new_k, new_v) = jax.lax.scan(body, x, xs)
+  x = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
+  new_cache = None
+  if cache is not None:
+    new_cache = KVCache(k=new_k, v=new_v, length=cache.length + chunk_lens.astype(jnp.int32))
+  if return_hidden:
+    return x, new_cache
+  return unembed(cfg, params, x), new_cache
+
+
+def unembed(cfg: ModelConfig, params: dict, x_bld):
+  """Hidden states [..., D] -> float32 logits [..., V]."""
+  if cfg.tie_word_embeddings:
+    w = params["embed"].astype(cfg.jnp_dtype)
+    return jnp.einsum("...d,vd->...v", x_bld, w, preferred_element_type=jnp.float32)
+  w = params["lm_head"].astype(cfg.jnp_dtype)
+  return jnp.einsum("...d,dv->...v", x_bld, w, preferred_element_type=jnp.float32)

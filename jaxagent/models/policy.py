@@ -1,0 +1,145 @@
+"""`Policy`: a decoder config, its parameters (a pure dict of arrays, possibly sharded), the
+tokenizer, and convenience methods (`forward`, `generate`, `save_pretrained`).
+
+    from jaxagent.models import from_pretrained
+    policy = from_pretrained("builtin:tiny")            # or a local Hugging Face directory
+    logits = policy.forward(tokens, attention_mask)     # int32[B, L] -> float32[B, L, V]
+    outs = policy.generate([[1, 2, 3]], max_new_tokens=8, temperature=0.0)
+    policy.save_pretrained("/tmp/out")                  # transformers loads it
+
+The hot paths (rollouts, updates) call the pure functions in `jaxagent.models.decoder` and
+`jaxagent.rollout.sampler` on `policy.params` directly, under their own `jit`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+import pathlib
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh
+
+from jaxagent.models import decoder, hf_io
+from jaxagent.models.builtin import BUILTIN_DIRS
+from jaxagent.models.config import CheckpointError, ModelConfig
+from jaxagent.sharding import tree_shardings
+
+BUILTIN_PREFIX = "builtin:"
+
+
+def _bucket(n: int, minimum: int = 16) -> int:
+  """Rounds a length up to a power of two (>= minimum) so few shapes are ever compiled."""
+  return max(minimum, 1 << (max(n, 1) - 1).bit_length())
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",))
+def _forward(cfg, params, tokens, attention_mask):
+  return decoder.apply(cfg, params, tokens, attention_mask=attention_mask)[0]
+
+
+@dataclasses.dataclass
+class Policy:
+  config: ModelConfig
+  params: dict              # pure nested dict of jax.Arrays (see decoder.init_params)
+  tokenizer: Any            # a transformers tokenizer
+  mesh: Mesh | None = None
+  path: str | None = None   # where it was loaded from
+
+  def param_shardings(self, mesh: Mesh | None = None):
+    return param_shardings(self.config, mesh or self.mesh)
+
+  def forward(self, tokens, attention_mask=None) -> jax.Array:
+    """Logits float32[B, L, V] for int32 tokens [B, L]; attention_mask is 1 on real tokens
+    (padding may be on either side; positions count real tokens only)."""
+    tokens = jnp.asarray(tokens, jnp.int32)
+    if attention_mask is None:
+      attention_mask = jnp.ones_like(tokens)
+    return _forward(self.config, self.params, tokens, jnp.asarray(attention_mask, jnp.int32))
+
+  def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, temperature=1.0,
+               top_k=0, top_p=1.0, seed=0, stop_tokens: Sequence[int] = ()) -> list[list[int]]:
+    """Samples continuations of token-id prompts; temperature 0 is greedy.
+
+    Each output lists the generated tokens only, ending with a stop token when one was sampled.
+    `stop_tokens` empty means generate exactly `max_new_tokens`. Prompt lengths are padded to a
+    power of two so calls with similar prompt lengths reuse one compiled program.
+    """
+    from jaxagent.rollout import sampler   # models must not import rollout at module level
+    if not prompts or any(len(p) == 0 for p in prompts):
+      raise ValueError("generate: every prompt needs at least one token")
+    b = len(prompts)
+    p_len = _bucket(max(len(p) for p in prompts))
+    toks = np.zeros((b, p_len), np.int32)
+    for i, p in enumerate(prompts):
+      toks[i, :len(p)] = p
+    lens = np.asarray([len(p) for p in prompts], np.int32)
+    stops = np.asarray([list(stop_tokens) or [-1]] * b, np.int32)
+    n = _bucket(max_new_tokens, 1)
+    gen = sampler.generate(
+        self.config, self.params, jnp.asarray(toks), jnp.asarray(lens), jax.random.key(seed),
+        sampler.SamplingConfig.make(temperature, top_k, top_p),
+        jnp.full((b,), max_new_tokens, jnp.int32), jnp.asarray(stops), max_new_tokens=n,
+        pad_id=self.config.pad_token_id or 0)
+    out, lengths = np.asarray(gen.tokens), np.asarray(gen.lengths)
+    return [out[i, :lengths[i]].tolist() for i in range(b)]
+
+  def save_pretrained(self, out_dir: str | os.PathLike, dtype: str | None = None,
+                      max_shard_bytes: int = 2 << 30) -> None:
+    """Writes a Hugging Face directory (config.json, safetensors, tokenizer files)."""
+    hf_io.export(out_dir, self.config, self.params, self.tokenizer,
+                 max_shard_bytes=max_shard_bytes, dtype=dtype)
+
+
+def param_shardings(cfg: ModelConfig, mesh: Mesh | None):
+  """NamedShardings of every parameter on `mesh` from its logical axes (None without a mesh)."""
+  if mesh is None:
+    return None
+  _, shapes = decoder.abstract_params(cfg)
+  return tree_shardings(decoder.logical_axes(cfg), shapes, mesh)
+
+
+def resolve_path(path: str | os.PathLike) -> pathlib.Path:
+  path = str(path)
+  if path.startswith(BUILTIN_PREFIX):
+    name = path[len(BUILTIN_PREFIX):]
+    if name not in BUILTIN_DIRS:
+      raise CheckpointError(f"unknown built-in model {path!r}; available: "
+                            f"{[BUILTIN_PREFIX + n for n in BUILTIN_DIRS]}")
+    return BUILTIN_DIRS[name]
+  return pathlib.Path(path).expanduser()
+
+
+def from_pretrained(path: str | os.PathLike, dtype: str = "float32", mesh: Mesh | None = None,
+                    param_dtype: str | None = None) -> Policy:
+  """Loads a policy from a local Hugging Face directory or a built-in name ("builtin:tiny").
+
+  Args:
+    dtype: compute dtype (activations, KV cache), and the parameter dtype unless `param_dtype`.
+    mesh: place each parameter with its logical-axis sharding on this mesh as it is read.
+  """
+  from transformers import AutoTokenizer
+  root = resolve_path(path)
+  cfg = hf_io.read_config(root, dtype=dtype, param_dtype=param_dtype or dtype)
+  hf_io.check_tokenizer_files(root)
+  tokenizer = AutoTokenizer.from_pretrained(str(root))
+  if len(tokenizer) > cfg.vocab_size:
+    raise CheckpointError(f"{root}: the tokenizer has {len(tokenizer)} tokens but config.json "
+                          f"vocab_size is {cfg.vocab_size}; the tokenizer belongs to another model")
+  shardings = param_shardings(cfg, mesh)
+  has_weights = (root / hf_io.SINGLE_FILE).exists() or (root / hf_io.INDEX_FILE).exists()
+  if not has_weights and cfg.init_seed is not None:
+    params = init_sharded(cfg, cfg.init_seed, shardings)
+  else:
+    params = hf_io.load_params(root, cfg, shardings)
+  return Policy(config=cfg, params=params, tokenizer=tokenizer, mesh=mesh, path=str(path))
+
+
+def init_sharded(cfg: ModelConfig, seed: int, shardings=None) -> dict:
+  """Random parameters created already sharded (jit with out_shardings; no host copy)."""
+  init = functools.partial(decoder.init_params, cfg, seed)
+  return jax.jit(init, out_shardings=shardings)() if shardings is not None else jax.jit(init)()

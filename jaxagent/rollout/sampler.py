@@ -1,0 +1,142 @@
+"""Jitted sampling: prefill a batch of right-padded prompts into a KV cache, then a
+`lax.while_loop` decode that exits as soon as every row has stopped.
+
+Sampling knobs (temperature, top-k, top-p) are traced scalars, and stop tokens / max new tokens
+are per-row arrays, so changing any of them, or the prompt contents at the same shapes, never
+recompiles. temperature == 0 is greedy.
+
+Log-probabilities returned with each token are those of the policy's softmax at the sampling
+temperature, before top-k / top-p truncation: log_softmax(logits / T) (T = 1 when greedy). This is
+what `jaxagent.rollout.score` recomputes for PPO ratios and the likelihood analysis.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from jaxagent.models import decoder
+from jaxagent.models.config import ModelConfig
+
+
+@struct.dataclass
+class SamplingConfig:
+  temperature: jax.Array  # [] float32; 0 = greedy
+  top_k: jax.Array        # [] int32; 0 = no top-k
+  top_p: jax.Array        # [] float32; 1 = no nucleus truncation
+
+  @classmethod
+  def make(cls, temperature=1.0, top_k=0, top_p=1.0) -> "SamplingConfig":
+    return cls(jnp.float32(temperature), jnp.int32(top_k), jnp.float32(top_p))
+
+
+@struct.dataclass
+class Generation:
+  tokens: jax.Array    # [B, N] int32 generated tokens (pad_id after each row's end)
+  logprobs: jax.Array  # [B, N] float32 (0 after each row's end)
+  lengths: jax.Array   # [B] int32 number of generated tokens, stop token included
+  stopped: jax.Array   # [B] bool: ended on a stop token (else on max_new_tokens)
+  cache: decoder.KVCache  # holds prompt + generated tokens (the last one included)
+  next_logits: jax.Array  # [B, V] float32 logits after each row's last token
+
+
+def scaled_logprobs(logits, temperature):
+  """log_softmax(logits / T) with T = 1 for greedy (T == 0). logits [..., V] float32."""
+  t = jnp.where(temperature > 0, temperature, 1.0)
+  return jax.nn.log_softmax(logits / t, axis=-1)
+
+
+def sample_from_logits(key, logits_bv, sc: SamplingConfig):
+  """Samples one token per row. Returns (tokens [B] int32, logprobs [B] float32)."""
+  logp = scaled_logprobs(logits_bv, sc.temperature)
+  greedy = jnp.argmax(logits_bv, axis=-1).astype(jnp.int32)
+
+  def truncated_sample(_):
+    order = jnp.argsort(-logp, axis=-1)
+    sorted_logp = jnp.take_along_axis(logp, order, axis=-1)
+    rank = jnp.arange(logp.shape[-1])
+    keep = jnp.where(sc.top_k > 0, rank < sc.top_k, True)[None, :]
+    mass_before = jnp.cumsum(jnp.exp(sorted_logp), axis=-1) - jnp.exp(sorted_logp)
+    keep = keep & (mass_before < sc.top_p)
+    keep = keep.at[:, 0].set(True)
+    choice = jax.random.categorical(key, jnp.where(keep, sorted_logp, -jnp.inf), axis=-1)
+    return jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0].astype(jnp.int32)
+
+  def plain_sample(_):
+    return jax.random.categorical(key, logp, axis=-1).astype(jnp.int32)
+
+  truncate = (sc.top_k > 0) | (sc.top_p < 1.0)
+  sampled = jax.lax.cond(truncate, truncated_sample, plain_sample, None)
+  tok = jnp.where(sc.temperature > 0, sampled, greedy)
+  return tok, jnp.take_along_axis(logp, tok[:, None], axis=-1)[:, 0]
+
+
+def decode(cfg: ModelConfig, params, cache: decoder.KVCache, next_logits, key, sc: SamplingConfig,
+           max_new, stop_tokens, max_new_tokens: int, pad_id: int = 0, active=None) -> Generation:
+  """Decodes up to `max_new_tokens` tokens per row from a filled cache.
+
+  Args:
+    next_logits: [B, V] float32 logits for each row's next token.
+    max_new: [B] int32 per-row limit (<= max_new_tokens).
+    stop_tokens: [B, S] int32 per-row stop ids, padded with -1.
+    active: [B] bool rows to decode (others generate nothing); default all.
+  """
+  b = next_logits.shape[0]
+  if active is None:
+    active = jnp.ones((b,), bool)
+  done0 = ~active | (max_new <= 0)
+  init = (jnp.int32(0), cache, next_logits, jnp.full((b, max_new_tokens), pad_id, jnp.int32),
+          jnp.zeros((b, max_new_tokens), jnp.float32), done0, jnp.zeros((b,), jnp.int32),
+          jnp.zeros((b,), bool), key)
+
+  def cond(state):
+    i, done = state[0], state[5]
+    return (i < max_new_tokens) & ~jnp.all(done)
+
+  def body(state):
+    i, cache, logits, toks, lps, done, n, stopped, key = state
+    key, sub = jax.random.split(key)
+    tok, lp = sample_from_logits(sub, logits, sc)
+    live = ~done
+    toks = toks.at[:, i].set(jnp.where(live, tok, pad_id))
+    lps = lps.at[:, i].set(jnp.where(live, lp, 0.0))
+    n = n + live
+    is_stop = jnp.any(tok[:, None] == stop_tokens, axis=-1) & live
+    stopped = stopped | is_stop
+    new_logits, cache = decoder.apply(cfg, params, tok[:, None], cache=cache,
+                                      chunk_lens=live.astype(jnp.int32))
+    logits = jnp.where(live[:, None], new_logits[:, 0], logits)
+    done = done | is_stop | (n >= max_new)
+    return i + 1, cache, logits, toks, lps, done, n, stopped, key
+
+  _, cache, logits, toks, lps, _, n, stopped, _ = jax.lax.while_loop(cond, body, init)
+  return Generation(tokens=toks, logprobs=lps, lengths=n, stopped=stopped, cache=cache,
+                    next_logits=logits)
+
+
+def prefill(cfg: ModelConfig, params, cache: decoder.KVCache, tokens, lengths):
+  """Appends right-padded `tokens` [B, L] (`lengths` [B] real) to the cache.
+
+  Returns (logits [B, V] at each row's last real token, cache). Rows with length 0 keep their
+  previous state; their returned logits are meaningless and must be masked by the caller.
+  """
+  logits, cache = decoder.apply(cfg, params, tokens, cache=cache, chunk_lens=lengths)
+  last = jnp.clip(lengths - 1, 0, tokens.shape[1] - 1)
+  return jnp.take_along_axis(logits, last[:, None, None], axis=1)[:, 0], cache
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "max_new_tokens", "pad_id"))
+def generate(cfg: ModelConfig, params, prompt_tokens, prompt_lens, key, sc: SamplingConfig,
+             max_new, stop_tokens, max_new_tokens: int, pad_id: int = 0) -> Generation:
+  """Prefill + decode. prompt_tokens [B, P] right-padded with prompt_lens [B] >= 1 real tokens.
+
+  The cache has capacity P + max_new_tokens. Shapes (B, P, max_new_tokens, S) decide the compiled
+  program; contents, lengths, per-row limits, stop ids and sampling knobs never recompile.
+  """
+  b, p = prompt_tokens.shape
+  cache = decoder.init_cache(cfg, b, p + max_new_tokens)
+  logits, cache = prefill(cfg, params, cache, prompt_tokens, prompt_lens)
+  return decode(cfg, params, cache, logits, key, sc, max_new, stop_tokens, max_new_tokens, pad_id)

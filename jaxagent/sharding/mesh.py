@@ -1,0 +1,99 @@
+"""Device mesh and logical-axis sharding rules.
+
+The mesh has three named axes: `data` (batch of episodes), `fsdp` (batch, and parameters /
+optimizer state sharded ZeRO-3 style) and `tensor` (Megatron-style heads / MLP split). Parameters
+carry logical axis names (see `jaxagent.models.decoder.logical_axes`); `RULES` maps each logical
+name to mesh axes. A mesh axis that does not divide a dimension is dropped for that dimension
+(the array is replicated along it) rather than failing, so tiny test models run on 8 devices.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Mapping, Sequence
+
+import jax
+from jax.experimental import mesh_utils
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+MESH_AXES = ("data", "fsdp", "tensor")
+
+# logical axis -> mesh axes (tried in order; each mesh axis used at most once per array).
+RULES: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("batch", ("data", "fsdp")),
+    ("vocab", ("tensor",)),
+    ("embed", ("fsdp",)),
+    ("mlp", ("tensor",)),
+    ("heads", ("tensor",)),
+    ("kv_heads", ("tensor",)),
+    ("head_dim", ()),
+    ("layers", ()),
+    ("length", ()),
+)
+
+
+def make_mesh(shape: Mapping[str, int] | Sequence[int] | None = None, devices=None) -> Mesh:
+  """A mesh over `devices` (default: all) with axes (data, fsdp, tensor).
+
+  `shape` gives the size of each axis, as a dict or a 3-tuple; one size may be -1 (the rest of
+  the devices). Default: all devices on `fsdp`.
+  """
+  devices = list(jax.devices() if devices is None else devices)
+  if shape is None:
+    shape = {"data": 1, "fsdp": -1, "tensor": 1}
+  if not isinstance(shape, Mapping):
+    shape = dict(zip(MESH_AXES, shape))
+  unknown = set(shape) - set(MESH_AXES)
+  if unknown:
+    raise ValueError(f"mesh axes {sorted(unknown)} unknown; use {MESH_AXES}")
+  sizes = [int(shape.get(a, 1)) for a in MESH_AXES]
+  if sizes.count(-1) > 1:
+    raise ValueError(f"mesh shape {dict(shape)}: at most one axis may be -1")
+  if -1 in sizes:
+    rest = math.prod(s for s in sizes if s != -1)
+    sizes[sizes.index(-1)] = len(devices) // rest
+  if math.prod(sizes) != len(devices):
+    raise ValueError(f"mesh shape {dict(zip(MESH_AXES, sizes))} needs {math.prod(sizes)} devices, "
+                     f"but {len(devices)} are available; change the mesh config so the product "
+                     "of axis sizes equals the device count (or use -1 for one axis)")
+  try:
+    dev = mesh_utils.create_device_mesh(sizes, devices)
+  except Exception:  # CPU or uneven topologies: plain reshape
+    dev = np.asarray(devices).reshape(sizes)
+  return Mesh(dev, MESH_AXES)
+
+
+def logical_to_spec(axes: Sequence[str | None], shape: Sequence[int], mesh: Mesh,
+                    rules=RULES) -> P:
+  """PartitionSpec for an array with the given logical axes and shape."""
+  table = dict(rules)
+  used: set[str] = set()
+  spec = []
+  for name, dim in zip(axes, shape):
+    chosen = []
+    size = 1
+    for mesh_axis in table.get(name, ()) if name is not None else ():
+      n = mesh.shape[mesh_axis]
+      if mesh_axis in used or n == 1 or dim % (size * n):
+        continue
+      chosen.append(mesh_axis)
+      size *= n
+    used.update(chosen)
+    spec.append(None if not chosen else chosen[0] if len(chosen) == 1 else tuple(chosen))
+  return P(*spec)
+
+
+def tree_shardings(axes_tree, shapes_tree, mesh: Mesh, rules=RULES):
+  """NamedSharding for every leaf, from parallel trees of logical axes and shapes."""
+  return jax.tree.map(
+      lambda axes, s: NamedSharding(mesh, logical_to_spec(axes, s.shape, mesh, rules)),
+      axes_tree, shapes_tree, is_leaf=lambda x: isinstance(x, tuple))
+
+
+def batch_sharding(mesh: Mesh, ndim: int, batch_size: int | None = None) -> NamedSharding:
+  """Leading axis over (data, fsdp) where it divides; the rest replicated."""
+  spec = logical_to_spec(("batch",) + (None,) * (ndim - 1),
+                         (batch_size if batch_size is not None else mesh.size,) + (1,) * (ndim - 1),
+                         mesh)
+  return NamedSharding(mesh, spec)
