@@ -1,0 +1,31 @@
+# The two commands of the README:
+#   make run    set up .venv and run the main job on the built-in default
+#   make test   set up .venv (with test tools) and run the whole test suite
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+WORKDIR ?= workdirs/default
+
+.PHONY: run test clean
+
+$(VENV)/.base: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -e .
+	touch $@
+
+# torch (CPU build, from the machine's local wheel) is only the reference for parity tests; it is
+# installed by exact version first so that nothing pulls a multi-GB CUDA build.
+$(VENV)/.test: $(VENV)/.base
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[test]'
+	touch $@
+
+run: $(VENV)/.base
+	$(BIN)/python -m launch.demo --workdir=$(WORKDIR)
+
+test: $(VENV)/.test
+	$(BIN)/python -m pytest -n 2 -q -p no:cacheprovider tests
+
+clean:
+	rm -rf $(VENV) *.egg-info
