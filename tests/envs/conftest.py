@@ -1,0 +1,105 @@
+"""Fixtures for the environment tests: a large (~150k-entry) byte-level BPE tokenizer built here.
+
+The vocabulary is made programmatically (no download, no training, ~1 s): every byte, every
+number 0..999 with and without a leading space, the words the environments print and parse
+(with and without a leading space), and filler (letter strings of length 1..4) up to ~150k
+entries. Its chat template is Llama-3 style (<|start_header_id|>role<|end_header_id|>, <|eot_id|>),
+so it also exercises a template unlike the built-in ChatML one.
+
+Merges: for every token, one merge for each way to split it into two tokens. Because every
+substring of a token is itself a token, BPE can always merge any adjacent pair inside a
+pre-token that is in the vocabulary, so such pre-tokens ("123", " 42", " lookup") end as a single
+token regardless of merge order.
+"""
+
+import itertools
+import string
+
+import pytest
+
+LLAMA_STYLE_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n' + message['content'] | trim"
+    " + '<|eot_id|>' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}"
+)
+SPECIALS = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>",
+            "<|eot_id|>"]
+# Words the environments print or parse, merged into single tokens (with and without a space).
+WORDS = """lookup answer add sub mul Error error unknown entity relation tool tools arguments
+argument Turns turns left You have What is the of The Correct Wrong Result result""".split()
+TARGET_SIZE = 150_000
+
+
+def _byte_chars():
+  from jaxagent.envs.codec import _bytes_to_unicode
+  return _bytes_to_unicode()
+
+
+def build_large_bpe():
+  from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+  from transformers import PreTrainedTokenizerFast
+
+  b2u = _byte_chars()
+  sp = b2u[ord(" ")]
+  vocab: dict[str, int] = {}
+
+  def add(tok):
+    if tok not in vocab:
+      vocab[tok] = len(vocab)
+
+  for b in range(256):
+    add(b2u[b])
+
+  def add_closed(word):  # the word and all its substrings
+    for n in range(2, len(word) + 1):
+      for i in range(len(word) - n + 1):
+        add(word[i:i + n])
+
+  for i in range(1000):
+    add_closed(str(i))
+    add_closed(sp + str(i))
+  for w in WORDS:
+    add_closed(w)
+    add_closed(sp + w)
+  lower, upper = string.ascii_lowercase, string.ascii_uppercase
+  for n in (2, 3):
+    for t in itertools.product(lower, repeat=n):
+      add_closed("".join(t))
+  for first in upper + lower:
+    for n in (0, 1, 2):
+      for t in itertools.product(lower, repeat=n):
+        add_closed(sp + first + "".join(t))
+        add_closed(first + "".join(t))
+  for t in itertools.product(lower, repeat=4):
+    if len(vocab) >= TARGET_SIZE:
+      break
+    add("".join(t))   # its substrings (length <= 3) are all in already
+  merges = []
+  for tok in vocab:
+    for i in range(1, len(tok)):
+      a, b = tok[:i], tok[i:]
+      if a in vocab and b in vocab:
+        merges.append((a, b))
+  merges.sort(key=lambda ab: len(ab[0]) + len(ab[1]))
+  model = models.BPE(vocab=vocab, merges=merges)
+  tk = Tokenizer(model)
+  tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+  tk.decoder = decoders.ByteLevel()
+  tk.add_special_tokens(SPECIALS)
+  return PreTrainedTokenizerFast(
+      tokenizer_object=tk, bos_token="<|begin_of_text|>", eos_token="<|eot_id|>",
+      pad_token="<|end_of_text|>", chat_template=LLAMA_STYLE_TEMPLATE)
+
+
+@pytest.fixture(scope="session")
+def large_tokenizer():
+  return build_large_bpe()
+
+
+@pytest.fixture(scope="session", params=["builtin", "large"])
+def any_tokenizer(request, builtin_tokenizer):
+  """Each test using this runs with the built-in tokenizer and with the 150k BPE."""
+  if request.param == "builtin":
+    return builtin_tokenizer
+  return request.getfixturevalue("large_tokenizer")

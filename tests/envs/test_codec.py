@@ -1,0 +1,111 @@
+"""Tests of the text codec (envs/codec.py) and the shared parsing helpers (envs/common.py)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxagent.envs import codec_for
+from jaxagent.envs.base import TokenBuffer
+from jaxagent.envs.codec import byte_table, concat, concat_host
+from jaxagent.envs import common
+
+
+def _buf(ids, n=None):
+  ids = np.asarray(ids, np.int32)
+  n = len(ids) if n is None else n
+  return TokenBuffer(tokens=jnp.asarray(np.pad(ids, (0, n - len(ids)))), length=jnp.int32(len(ids)))
+
+
+def test_to_bytes_matches_tokenizer_decode(any_tokenizer):
+  codec = codec_for(any_tokenizer)
+  text = "lookup( Alba , 'owner') 42 123  <|x|> caf\u00e9"
+  ids = codec.encode(text)
+  data, n = jax.jit(lambda b: codec.to_bytes(b, 96))(_buf(ids, 40))
+  assert int(n) == len(text.encode())
+  assert bytes(np.asarray(data)[:int(n)]) == text.encode()
+  assert np.all(np.asarray(data)[int(n):] == 0)
+  # Random ids (special tokens included) decode like the tokenizer itself does.
+  rng = np.random.default_rng(0)
+  rand = rng.integers(0, codec.vocab_size, size=30)
+  want = any_tokenizer.decode(rand.tolist(), skip_special_tokens=False, clean_up_tokenization_spaces=False)
+  assert codec.decode(rand) == want
+
+
+def test_chat_wrapping_and_end_of_turn(any_tokenizer):
+  codec = codec_for(any_tokenizer)
+  sys_, usr = codec.fragment("SYS"), codec.fragment("USR")
+  first = codec.decode(concat(codec.prompt([sys_], [usr])))
+  want = any_tokenizer.apply_chat_template(
+      [{"role": "system", "content": "SYS"}, {"role": "user", "content": "USR"}],
+      tokenize=False, add_generation_prompt=True)
+  assert first == want
+  later = codec.decode(concat(codec.observation([codec.fragment("OBS")])))
+  full = any_tokenizer.apply_chat_template(
+      [{"role": "system", "content": "SYS"}, {"role": "user", "content": "USR"},
+       {"role": "assistant", "content": "ACT"}, {"role": "tool", "content": "OBS"}],
+      tokenize=False, add_generation_prompt=True)
+  eot = codec.decode([codec.end_of_turn_id])
+  assert full == want + "ACT" + eot + later
+  assert eot in ("<|im_end|>", "<|eot_id|>")
+
+
+def test_concat_pieces_and_numbers(builtin_tokenizer):
+  codec = codec_for(builtin_tokenizer)
+  table = codec.fragment_table(["zero", "one", ""])
+
+  @jax.jit
+  def f(i, v, budget):
+    pieces = [codec.fragment("a "), table.get(i), codec.fragment(" "), *codec.int_pieces(v),
+              *common.budget_suffix(codec, budget, jnp.int32(2))]
+    return concat(pieces, 40)
+
+  for i, v, budget, want in [(0, 7, -1, "a zero 7"), (1, 1000, 5, "a one 1000\nTurns left: 3."),
+                             (2, 123456789, 1, "a  123456789\nTurns left: 0.")]:
+    out = f(i, v, budget)
+    assert out.tokens.shape == (40,)
+    assert codec.decode(out) == want
+    host = concat_host([codec.fragment("a "), table.host(i), codec.fragment(" "), codec.int_host(v),
+                        *common.budget_suffix_host(codec, budget, 2)])
+    np.testing.assert_array_equal(np.asarray(out.tokens)[:int(out.length)], host)
+  # Truncation to out_len.
+  out = concat([codec.fragment("hello world " * 10)], 5)
+  assert int(out.length) == 5
+
+
+@pytest.mark.parametrize("text,tool,args", [
+    ("lookup(Alba, owner)", 0, ["Alba", "owner"]),
+    ("  answer( 'Brix' )\n", 1, ["Brix"]),
+    ('answer("a b",,)', 1, ["a b", "", ""]),
+    ("lookup()", 0, []),
+    ("nope(x)", -1, ["x"]),
+])
+def test_parse_call_valid_syntax(builtin_tokenizer, text, tool, args):
+  codec = codec_for(builtin_tokenizer)
+  tools = byte_table(["lookup", "answer"])
+  call = jax.jit(lambda b: common.parse_action(codec, b, tools, 3, 64))(_buf(codec.encode(text), 32))
+  assert bool(call.syntax_ok)
+  assert int(call.tool) == tool
+  assert int(call.num_args) == len(args)
+  data = bytes(np.asarray(call.data))
+  got = [data[int(s):int(s) + int(n)].decode() for s, n in zip(call.arg_start, call.arg_len)]
+  assert got[:len(args)] == args
+
+
+@pytest.mark.parametrize("text", ["", "   ", "lookup", "lookup(a", "lookup(a))", "lookup((a))",
+                                  "look up(a)", "(a)", "lookup(a) x", "lookup(caf\u00e9)", "x" * 70])
+def test_parse_call_syntax_errors(builtin_tokenizer, text):
+  codec = codec_for(builtin_tokenizer)
+  tools = byte_table(["lookup"])
+  call = common.parse_action(codec, _buf(codec.encode(text), 80), tools, 2, 64)
+  assert not bool(call.syntax_ok)
+  assert int(call.tool) == -1
+
+
+def test_parse_uint():
+  data = jnp.asarray(np.frombuffer(b"x 0 007 123456789 1234567890 12a  ", np.uint8))
+  cases = [(2, 1, 0, True), (4, 3, 7, True), (8, 9, 123456789, True), (18, 10, 0, False),
+           (29, 3, 0, False), (0, 0, 0, False)]
+  for start, n, value, ok in cases:
+    v, good = common.parse_uint(data, jnp.int32(start), jnp.int32(n))
+    assert (int(v), bool(good)) == (value, ok), (start, n)
