@@ -94,7 +94,7 @@ class Decoder(nnx.Module):
 def abstract_params(cfg: ModelConfig):
   """(abstract nnx.State with logical-axis metadata, pure dict of ShapeDtypeStructs)."""
   state = nnx.state(nnx.eval_shape(lambda: Decoder(cfg, nnx.Rngs(0))))
-  return state, state.to_pure_dict()
+  return state, nnx.to_pure_dict(state)
 
 
 def logical_axes(cfg: ModelConfig) -> dict:
@@ -111,7 +111,7 @@ def logical_axes(cfg: ModelConfig) -> dict:
 
 def init_params(cfg: ModelConfig, seed: int) -> dict:
   """Randomly initialised parameters as a pure nested dict of arrays."""
-  return nnx.state(Decoder(cfg, nnx.Rngs(seed))).to_pure_dict()
+  return nnx.to_pure_dict(nnx.state(Decoder(cfg, nnx.Rngs(seed))))
 
 
 def rms_norm(x, w, eps):

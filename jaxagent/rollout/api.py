@@ -1,0 +1,93 @@
+"""Public rollout API: `rollout(policy, env, key, tasks_or_num, group_size, budgets, **cfg)`."""
+
+from __future__ import annotations
+
+import numpy as np
+import jax
+import jax.numpy as jnp
+
+from jaxagent.rollout import sampler
+from jaxagent.rollout.engine import HostRollout, RolloutConfig, make_rollout_fn
+from jaxagent.rollout.trajectory import Trajectory
+
+_COMPILED: dict = {}
+
+
+def default_context_len(env, max_turns: int, max_action_tokens: int) -> int:
+  """Room for the prompt and `max_turns` full turns, rounded up to a multiple of 64."""
+  need = env.max_obs_len + max_turns * (max_action_tokens + 1 + env.max_obs_len)
+  return -(-need // 64) * 64
+
+
+def expand_budgets(budgets, num_tasks: int, group_size: int) -> np.ndarray:
+  """A scalar, [num_tasks] (one per group) or [num_tasks * group_size] -> int32 [B]."""
+  b = num_tasks * group_size
+  arr = np.asarray(budgets, np.int32)
+  if arr.ndim == 0:
+    return np.full((b,), int(arr), np.int32)
+  if arr.shape == (num_tasks,):
+    return np.repeat(arr, group_size)
+  if arr.shape == (b,):
+    return arr
+  raise ValueError(f"budgets of shape {arr.shape}: give a scalar, one per task ({num_tasks}) "
+                   f"or one per episode ({b})")
+
+
+def build_batch(env, key, tasks_or_num, group_size: int):
+  """(tasks [B], task_id [B], group_id [B]) with each task repeated `group_size` times."""
+  if isinstance(tasks_or_num, (int, np.integer)):
+    tasks = jax.vmap(env.sample_task)(jax.random.split(key, int(tasks_or_num)))
+  else:
+    tasks = tasks_or_num
+  n = jax.tree.leaves(tasks)[0].shape[0]
+  tasks = jax.tree.map(lambda x: jnp.repeat(jnp.asarray(x), group_size, axis=0), tasks)
+  ids = np.repeat(np.arange(n, dtype=np.int32), group_size)
+  return tasks, ids, ids.copy(), n
+
+
+def rollout(policy, env, key, tasks_or_num, group_size: int = 1, budgets=None, *,
+            max_turns: int | None = None, max_action_tokens: int | None = None,
+            context_len: int | None = None, budget_visible: bool = False,
+            temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
+            params=None, forced_action=None) -> Trajectory:
+  """Runs B = num_tasks x group_size episodes of `env` with `policy`.
+
+  Args:
+    tasks_or_num: a batch of task pytrees (leading axis num_tasks) or a number of random tasks.
+    budgets: interaction budget per episode: scalar, [num_tasks] or [B] (default max_turns).
+    max_turns: T_max, static (default: the largest budget). Keep it fixed across calls (e.g. the
+      largest budget of a BudgetMix distribution) so changing budgets never recompiles.
+    max_action_tokens: tokens per turn, <eot> included (default and at most env.max_action_len).
+    context_len: transcript/KV capacity per row (default: room for every turn).
+    params: parameters to roll out with (default policy.params).
+    forced_action: `(env_state, key) -> TokenBuffer` to force actions instead of sampling (e.g.
+      `lambda s, k: env.oracle_action(s)`); see `make_rollout_fn`. Compiled once per function.
+  """
+  k_tasks, k_run = jax.random.split(key)
+  tasks, task_id, group_id, n = build_batch(env, k_tasks, tasks_or_num, group_size)
+  if budgets is None:
+    if max_turns is None:
+      raise ValueError("rollout: give budgets or max_turns")
+    budgets = max_turns
+  budget = expand_budgets(budgets, n, group_size)
+  if budget.min() < 0:
+    raise ValueError(f"budgets must be >= 0, got min {budget.min()}")
+  max_turns = int(budget.max()) if max_turns is None else max_turns
+  if budget.max() > max_turns:
+    raise ValueError(f"a budget of {budget.max()} exceeds max_turns={max_turns}; raise max_turns")
+  a = max_action_tokens or env.max_action_len
+  cfg = RolloutConfig(max_turns=max_turns, max_action_tokens=a,
+                      context_len=context_len or default_context_len(env, max_turns, a),
+                      budget_visible=budget_visible)
+  sc = sampler.SamplingConfig.make(temperature, top_k, top_p)
+  ck = (policy.config, id(env), cfg, forced_action)
+  if ck not in _COMPILED:
+    if getattr(env, "is_host", False):
+      if forced_action is not None:
+        raise ValueError("forced_action needs a JAX-native environment")
+      _COMPILED[ck] = HostRollout(policy.config, env, cfg)
+    else:
+      _COMPILED[ck] = make_rollout_fn(policy.config, env, cfg, forced_action)
+  fn = _COMPILED[ck]
+  return fn(policy.params if params is None else params, k_run, tasks, jnp.asarray(budget),
+            jnp.asarray(task_id), jnp.asarray(group_id), sc)

@@ -1,0 +1,61 @@
+"""Log-probabilities of a trajectory's tokens under any parameters (PPO ratios, KL, likelihoods).
+
+One forward pass over the whole transcript (positions are slot indices, exactly as during the
+rollout), then the log-softmax is taken chunk by chunk over the sequence so the [B, L, V] logits
+of a large vocabulary never exist at once.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from jaxagent.models import decoder
+from jaxagent.models.config import ModelConfig
+from jaxagent.rollout.sampler import scaled_logprobs
+
+
+def token_logprobs(cfg: ModelConfig, params, tokens, length, temperature=1.0, chunk: int = 128):
+  """logprobs [B, L] float32: entry i is log p(tokens[i] | tokens[:i]) at `temperature`
+  (log_softmax(logits / T); T = 0 means 1). Entry 0 and entries at or past `length` are 0.
+
+  tokens [B, L] int32, length [B] int32. Pure; jit it at the call site (or use `score`).
+  """
+  b, l = tokens.shape
+  mask = jnp.arange(l)[None, :] < length[:, None]
+  hidden, _ = decoder.apply(cfg, params, tokens, attention_mask=mask, return_hidden=True)
+  h = hidden[:, :-1]                       # predicts tokens[:, 1:]
+  tgt = tokens[:, 1:]
+  n = l - 1
+  c = min(chunk, n)
+  pad = (-n) % c
+  h = jnp.pad(h, ((0, 0), (0, pad), (0, 0)))
+  tgt = jnp.pad(tgt, ((0, 0), (0, pad)))
+  hc = h.reshape(b, -1, c, h.shape[-1]).swapaxes(0, 1)
+  tc = tgt.reshape(b, -1, c).swapaxes(0, 1)
+
+  def one(args):
+    hx, tx = args
+    logp = scaled_logprobs(decoder.unembed(cfg, params, hx), temperature)
+    return jnp.take_along_axis(logp, tx[..., None], axis=-1)[..., 0]
+
+  lp = jax.lax.map(one, (hc, tc)).swapaxes(0, 1).reshape(b, -1)[:, :n]
+  lp = jnp.concatenate([jnp.zeros((b, 1), lp.dtype), lp], axis=1)
+  return jnp.where(mask, lp, 0.0)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "chunk"))
+def _score(cfg, params, tokens, length, temperature, chunk=128):
+  return token_logprobs(cfg, params, tokens, length, temperature, chunk)
+
+
+def score(policy, trajectory, temperature: float = 1.0, params=None):
+  """Recomputes log-probs [B, L] of `trajectory.tokens` under `params` (default the policy's).
+
+  Multiply by `trajectory.loss_mask` for the agent's tokens only.
+  """
+  params = policy.params if params is None else params
+  return _score(policy.config, params, trajectory.tokens, trajectory.length,
+                jnp.float32(temperature))

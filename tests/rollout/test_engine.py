@@ -1,0 +1,153 @@
+"""The multi-turn rollout engine: transcript layout, masks, log-probs, budgets, no recompiles."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxagent.envs as envs
+from jaxagent.models import from_pretrained
+from jaxagent.rollout import RolloutConfig, Status, make_rollout_fn, rollout, score
+from jaxagent.rollout.sampler import SamplingConfig
+from jaxagent.rollout.api import _COMPILED
+
+NUM_TASKS, GROUP = 4, 2
+
+
+@pytest.fixture(scope="module")
+def policy():
+  return from_pretrained("builtin:tiny")
+
+
+@pytest.fixture(scope="module")
+def env(policy):
+  return envs.make("lookup", policy.tokenizer, hops=2)
+
+
+def _oracle(env):
+  return lambda state, key: env.oracle_action(state)
+
+
+_JITTED = {}
+
+
+def _jitted(env):
+  if id(env) not in _JITTED:
+    _JITTED[id(env)] = (jax.jit(env.reset), jax.jit(env.step))
+  return _JITTED[id(env)]
+
+
+def _replay(env, tasks, traj, b):
+  """Re-runs row b's episode outside the engine, feeding it the actions the transcript holds.
+
+  Returns the expected transcript tokens and per-turn records; the actions are read back from
+  the transcript as the tokens with loss_mask 1 (minus the trailing end-of-turn token).
+  """
+  eot = env.codec.end_of_turn_id
+  task = jax.tree.map(lambda x: x[b], tasks)
+  budget = -1
+  reset, step = _jitted(env)
+  state, obs = reset(jax.random.key(0), task, budget)
+  tokens = list(np.asarray(obs.tokens)[:int(obs.length)])
+  tok = np.asarray(traj.tokens[b])
+  mask = np.asarray(traj.loss_mask[b])
+  turn = np.asarray(traj.turn_of_token[b])
+  records = []
+  for t in range(int(traj.num_turns[b])):
+    sampled = tok[(turn == t) & (mask == 1)].tolist()
+    action = sampled[:-1] if sampled and sampled[-1] == eot else sampled
+    buf = np.zeros((env.max_action_len,), np.int32)
+    buf[:len(action)] = action
+    state, obs, info = step(state, envs.TokenBuffer(jnp.asarray(buf), jnp.int32(len(action))))
+    tokens += action + [eot] + list(np.asarray(obs.tokens)[:int(obs.length)])
+    records.append(info)
+  return tokens, records
+
+
+def test_oracle_forced_solves_everything_and_records_match(policy, env):
+  tasks = jax.vmap(env.sample_task)(jax.random.split(jax.random.key(1), NUM_TASKS))
+  traj = rollout(policy, env, jax.random.key(2), tasks, GROUP, budgets=6,
+                 forced_action=_oracle(env))
+  b = NUM_TASKS * GROUP
+  assert traj.tokens.shape[0] == b
+  assert np.all(np.asarray(traj.status) == Status.SOLVED)
+  np.testing.assert_array_equal(traj.success_turn, traj.optimal_turns)
+  np.testing.assert_array_equal(traj.num_turns, traj.optimal_turns)
+  rep_tasks = jax.tree.map(lambda x: jnp.repeat(x, GROUP, axis=0), tasks)
+  for row in range(b):
+    tokens, records = _replay(env, rep_tasks, traj, row)
+    n = int(traj.length[row])
+    assert np.asarray(traj.tokens[row, :n]).tolist() == tokens
+    for t, info in enumerate(records):
+      assert bool(traj.valid_call[row, t]) == bool(info.valid_call)
+      assert int(traj.error_kind[row, t]) == int(info.error_kind)
+      assert bool(traj.solved[row, t]) == bool(info.solved)
+      assert float(traj.reward[row, t]) == float(info.reward)
+      assert bool(traj.oracle_match[row, t])
+  # Forced tokens carry the policy's log-probs, like sampled ones.
+  lp = np.asarray(score(policy, traj)) * np.asarray(traj.loss_mask)
+  np.testing.assert_allclose(lp, traj.behaviour_logprobs, atol=1e-4)
+
+
+def test_sampled_transcript_masks_and_logprobs(policy, env):
+  traj = rollout(policy, env, jax.random.key(3), NUM_TASKS, GROUP, budgets=[1, 2, 3, 4],
+                 max_turns=4, temperature=1.0)
+  tasks = jax.vmap(env.sample_task)(jax.random.split(jax.random.split(jax.random.key(3))[0],
+                                                     NUM_TASKS))
+  rep_tasks = jax.tree.map(lambda x: jnp.repeat(x, GROUP, axis=0), tasks)
+  mask = np.asarray(traj.loss_mask)
+  turn = np.asarray(traj.turn_of_token)
+  for row in range(NUM_TASKS * GROUP):
+    # The transcript is exactly prompt + (action <eot> observation)* as the env produced them.
+    tokens, records = _replay(env, rep_tasks, traj, row)
+    n = int(traj.length[row])
+    assert np.asarray(traj.tokens[row, :n]).tolist() == tokens
+    for t, info in enumerate(records):
+      assert int(traj.error_kind[row, t]) == int(info.error_kind)
+    # loss_mask is 1 only on sampled tokens: their count per turn is the action length.
+    for t in range(int(traj.num_turns[row])):
+      assert mask[row][turn[row] == t].sum() == int(traj.action_length[row, t])
+    assert mask[row, n:].sum() == 0
+    assert np.all(turn[row, n:] == -1)
+  lp = np.asarray(score(policy, traj)) * mask
+  np.testing.assert_allclose(lp, traj.behaviour_logprobs, atol=1e-4)
+  assert np.all(np.asarray(traj.behaviour_logprobs)[mask == 0] == 0)
+
+
+def test_budgets_per_row_and_no_recompilation(policy, env):
+  budgets = np.array([1, 3, 0, 5] * 2, np.int32)
+  traj = rollout(policy, env, jax.random.key(4), NUM_TASKS, GROUP, budgets=budgets, max_turns=5)
+  num = np.asarray(traj.num_turns)
+  assert np.all(num <= budgets)
+  acted = np.asarray(traj.acted)
+  np.testing.assert_array_equal(acted.sum(1), num)
+  status = np.asarray(traj.status)
+  assert np.all(status[num == budgets] != Status.RUNNING)
+  assert np.all((status == Status.BUDGET_SPENT) <= (num == budgets))
+  assert num[2] == 0 and num[6] == 0          # budget 0: no turn at all
+  fns = [fn for k, fn in _COMPILED.items() if k[1] == id(env) and k[2].max_turns == 5
+         and k[3] is None]
+  assert len(fns) == 1
+  size = fns[0]._cache_size()
+  # New budgets, new tasks, new key, new sampling knobs: same compiled program.
+  rollout(policy, env, jax.random.key(5), NUM_TASKS, GROUP, budgets=budgets[::-1].copy(),
+          max_turns=5, temperature=0.7, top_k=5)
+  tasks = jax.vmap(env.sample_task)(jax.random.split(jax.random.key(9), NUM_TASKS))
+  rollout(policy, env, jax.random.key(6), tasks, GROUP, budgets=[2, 2, 5, 1], max_turns=5)
+  assert fns[0]._cache_size() == size == 1
+
+
+def test_context_full_stops_rows(policy, env):
+  a = env.max_action_len
+  ctx = env.max_obs_len + 2 * (a + 1 + env.max_obs_len)      # room for two turns only
+  fn = make_rollout_fn(policy.config, env,
+                       RolloutConfig(max_turns=5, max_action_tokens=a, context_len=ctx))
+  tasks = jax.vmap(env.sample_task)(jax.random.split(jax.random.key(7), 2))
+  traj = fn(policy.params, jax.random.key(8), tasks, jnp.array([5, 5]), jnp.arange(2),
+            jnp.arange(2), SamplingConfig.make())
+  # Rows stop when the next turn might not fit (worst case: longest action and observation).
+  assert np.all(np.asarray(traj.status) == Status.CONTEXT_FULL)
+  length = np.asarray(traj.length)
+  assert np.all(length <= ctx)
+  assert np.all(length + a + 1 + env.max_obs_len > ctx)
+  assert np.all((2 <= np.asarray(traj.num_turns)) & (np.asarray(traj.num_turns) < 5))
