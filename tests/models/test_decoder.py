@@ -1,0 +1,162 @@
+"""The decoder on its own: KV-cache decoding equals full recomputation, padding and batching do
+not change a row's result, and the parameter tree is consistent with its metadata."""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxagent.models import decoder
+from jaxagent.models.config import ModelConfig
+
+# Every feature at once: qkv bias, q/k norm, GQA, llama3 rope scaling, untied head.
+CFG = ModelConfig(
+    model_type="qwen3", vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=2,
+    num_heads=4, num_kv_heads=2, head_dim=8, rope_theta=10000.0, rms_norm_eps=1e-6,
+    tie_word_embeddings=False, qkv_bias=True, qk_norm=True, max_position_embeddings=128,
+    rope_scaling=(("factor", 4.0), ("high_freq_factor", 4.0), ("low_freq_factor", 1.0),
+                  ("original_max_position_embeddings", 8), ("rope_type", "llama3")))
+
+apply = jax.jit(decoder.apply, static_argnums=0, static_argnames=("return_hidden",))
+
+
+def random_params(cfg: ModelConfig, seed: int = 0) -> dict:
+  """Random parameters with O(1) logits (norm weights around 1, everything else N(0, 0.3))."""
+  rng = np.random.RandomState(seed)
+  _, shapes = decoder.abstract_params(cfg)
+  flat = jax.tree_util.tree_flatten_with_path(shapes)[0]
+  leaves = []
+  for path, s in flat:
+    is_norm = "norm" in jax.tree_util.keystr(path)
+    leaves.append(jnp.asarray((1.0 if is_norm else 0.0) + rng.normal(size=s.shape) * 0.3,
+                              s.dtype))
+  return jax.tree.unflatten(jax.tree.structure(shapes), leaves)
+
+
+@pytest.fixture(scope="module")
+def params():
+  return random_params(CFG)
+
+
+def test_param_tree_matches_metadata(params):
+  axes = decoder.logical_axes(CFG)
+  _, shapes = decoder.abstract_params(CFG)
+  assert jax.tree.structure(axes, is_leaf=lambda x: isinstance(x, tuple)) == \
+      jax.tree.structure(shapes)
+  jax.tree.map(lambda a, s: len(a) == s.ndim or pytest.fail(f"{a} vs {s.shape}"),
+               axes, shapes, is_leaf=lambda x: isinstance(x, tuple))
+  assert axes["layers"]["q_proj"] == ("layers", "embed", "heads", "head_dim")
+  assert axes["lm_head"] == ("embed", "vocab")
+  assert sum(math.prod(s.shape) for s in jax.tree.leaves(shapes)) == CFG.num_params()
+  assert params["layers"]["q_proj"].shape == (2, 32, 4, 8)
+
+
+def test_rope_frequencies_by_hand():
+  base = dict((f.name, getattr(CFG, f.name)) for f in CFG.__dataclass_fields__.values())
+  plain = ModelConfig(**{**base, "rope_scaling": ()})
+  want = 1.0 / 10000.0 ** (np.arange(0, 8, 2) / 8)               # [1, 0.1, 0.01, 0.001]
+  np.testing.assert_allclose(plain.rope_inv_freq(), want, rtol=1e-6)
+  linear = ModelConfig(**{**base, "rope_scaling": (("factor", 2.0), ("rope_type", "linear"))})
+  np.testing.assert_allclose(linear.rope_inv_freq(), want / 2, rtol=1e-6)
+  # llama3 with original context 8, factor 4: wavelengths 2*pi/f = [6.3, 63, 628, 6283]. Above
+  # 8 / low_freq_factor = 8 they are divided by 4. Between 8 / high_freq_factor = 2 and 8 (only
+  # the first) they are interpolated: s = (8 / wavelen - 1) / (4 - 1), f' = (1 - s) f / 4 + s f.
+  s = (8 / (2 * np.pi) - 1) / 3
+  np.testing.assert_allclose(CFG.rope_inv_freq(), [(1 - s) / 4 + s, 0.025, 0.0025, 0.00025],
+                             rtol=1e-6)
+
+
+def _full_logits(params, seqs: list[np.ndarray], width: int = 16) -> list[np.ndarray]:
+  """No-cache logits of each sequence alone (batch of one). The sequence is followed by junk up
+  to `width` tokens, which causal attention never lets an earlier token see, so every call
+  shares one compiled program."""
+  out = []
+  for s in seqs:
+    tokens = np.full((1, width), 7, np.int32)
+    tokens[0, :len(s)] = s
+    out.append(np.asarray(apply(CFG, params, jnp.asarray(tokens))[0][0, :len(s)]))
+  return out
+
+
+def test_cache_in_uneven_chunks_equals_full_recompute(params):
+  rng = np.random.RandomState(1)
+  totals = [14, 14, 13]
+  seqs = [rng.randint(0, 64, size=t).astype(np.int32) for t in totals]
+  # Per-row chunk lengths per call; every call has the same width (5), so one compiled program.
+  schedule = np.array([[5, 1, 3], [5, 5, 0], [4, 3, 5], [0, 5, 5]], np.int32)
+  assert (schedule.sum(0) == totals).all()
+  width = 5
+  cache = decoder.init_cache(CFG, batch=3, capacity=20)   # >= 14 + width: padding fits
+  pos = np.zeros(3, int)
+  got = [[] for _ in range(3)]
+  for lens in schedule:
+    chunk = rng.randint(0, 64, size=(3, width)).astype(np.int32)   # junk in the padding
+    for b, n in enumerate(lens):
+      chunk[b, :n] = seqs[b][pos[b]:pos[b] + n]
+    logits, cache = apply(CFG, params, jnp.asarray(chunk), cache=cache,
+                          chunk_lens=jnp.asarray(lens))
+    for b, n in enumerate(lens):
+      got[b].append(np.asarray(logits[b, :n]))
+    pos += lens
+  np.testing.assert_array_equal(np.asarray(cache.length), totals)
+  want = _full_logits(params, seqs)
+  for b in range(3):
+    g = np.concatenate(got[b])
+    assert g.shape == want[b].shape
+    assert np.abs(g - want[b]).max() < 1e-5, b
+  assert max(np.abs(w).max() for w in want) > 1.0   # the comparison is not vacuous
+
+
+def test_padding_either_side_equals_each_row_alone(params):
+  rng = np.random.RandomState(2)
+  seqs = [rng.randint(0, 64, size=n).astype(np.int32) for n in (9, 4, 6)]
+  want = _full_logits(params, seqs)
+  L = 10
+  for side in ("left", "right"):
+    tokens = rng.randint(0, 64, size=(4, L)).astype(np.int32)   # junk padding
+    mask = np.zeros((4, L), np.int32)                           # row 3: all padding
+    for b, s in enumerate(seqs):
+      sl = slice(L - len(s), L) if side == "left" else slice(0, len(s))
+      tokens[b, sl], mask[b, sl] = s, 1
+    logits = np.asarray(apply(CFG, params, jnp.asarray(tokens),
+                              attention_mask=jnp.asarray(mask))[0])
+    assert np.isfinite(logits).all()
+    for b in range(3):
+      assert np.abs(logits[b][mask[b] == 1] - want[b]).max() < 1e-5, (side, b)
+
+
+def test_batched_prefill_then_decode_equals_each_row_alone(params):
+  """Rows with different prompt lengths share a cache; decoding one token at a time gives every
+  row exactly what it gets alone (and rows with chunk_len 0 are left untouched)."""
+  rng = np.random.RandomState(3)
+  seqs = [rng.randint(0, 64, size=n).astype(np.int32) for n in (5, 2, 4)]
+  new = rng.randint(0, 64, size=(3, 4)).astype(np.int32)
+  prompt = np.zeros((3, 5), np.int32)   # the chunk shape of the test above: no new compile
+  for b, s in enumerate(seqs):
+    prompt[b, :len(s)] = s
+  cache = decoder.init_cache(CFG, batch=3, capacity=20)
+  lens = np.array([len(s) for s in seqs], np.int32)
+  logits, cache = apply(CFG, params, jnp.asarray(prompt), cache=cache, chunk_lens=jnp.asarray(lens))
+  step = [[np.asarray(logits[b, len(s) - 1])] for b, s in enumerate(seqs)]
+  live = np.array([1, 1, 0], np.int32)          # row 2 pauses at step 1 (its token is junk)
+  for i in range(4):
+    chunk_lens = live if i == 1 else np.ones(3, np.int32)
+    logits, cache = apply(CFG, params, jnp.asarray(new[:, i:i + 1]), cache=cache,
+                          chunk_lens=jnp.asarray(chunk_lens))
+    for b in range(3):
+      if chunk_lens[b]:
+        step[b].append(np.asarray(logits[b, 0]))
+  # Expected: each row alone, full recompute over prompt + the tokens it consumed.
+  consumed = [new[0], new[1], np.delete(new[2], 1)]
+  want = _full_logits(params, [np.concatenate([s, c]) for s, c in zip(seqs, consumed)])
+  for b, s in enumerate(seqs):
+    g = np.stack(step[b])
+    w = want[b][len(s) - 1:]
+    assert g.shape == w.shape
+    assert np.abs(g - w).max() < 1e-5, b
+  np.testing.assert_array_equal(np.asarray(cache.length), lens + [4, 4, 3])
