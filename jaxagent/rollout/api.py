@@ -6,6 +6,7 @@ import numpy as np
 import jax
 import jax.numpy as jnp
 
+from jaxagent.envs.host import HostEnv
 from jaxagent.rollout import sampler
 from jaxagent.rollout.engine import HostRollout, RolloutConfig, make_rollout_fn
 from jaxagent.rollout.trajectory import Trajectory
@@ -33,9 +34,15 @@ def expand_budgets(budgets, num_tasks: int, group_size: int) -> np.ndarray:
                    f"or one per episode ({b})")
 
 
+def _is_host(env) -> bool:
+  return isinstance(env, HostEnv)
+
+
 def build_batch(env, key, tasks_or_num, group_size: int):
   """(tasks [B], task_id [B], group_id [B]) with each task repeated `group_size` times."""
-  if isinstance(tasks_or_num, (int, np.integer)):
+  if isinstance(tasks_or_num, (int, np.integer)) and _is_host(env):
+    tasks = env.sample_tasks(key, int(tasks_or_num))
+  elif isinstance(tasks_or_num, (int, np.integer)):
     tasks = jax.vmap(env.sample_task)(jax.random.split(key, int(tasks_or_num)))
   else:
     tasks = tasks_or_num
@@ -82,7 +89,7 @@ def rollout(policy, env, key, tasks_or_num, group_size: int = 1, budgets=None, *
   sc = sampler.SamplingConfig.make(temperature, top_k, top_p)
   ck = (policy.config, id(env), cfg, forced_action)
   if ck not in _COMPILED:
-    if getattr(env, "is_host", False):
+    if _is_host(env):
       if forced_action is not None:
         raise ValueError("forced_action needs a JAX-native environment")
       _COMPILED[ck] = HostRollout(policy.config, env, cfg)

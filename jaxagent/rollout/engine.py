@@ -300,41 +300,43 @@ def _check(env, cfg: RolloutConfig):
 class HostRollout:
   """The same rollout with a host (Python) environment stepped between jitted halves.
 
-  `env` provides `reset(tasks, budgets) -> obs TokenBuffer (numpy, [B])`, `step(actions) -> (obs,
-  info)` with numpy arrays, and `codec`, `max_obs_len`, `max_action_len` (see `envs/host.py`).
+  `env` follows `jaxagent.envs.host.HostEnv`: `reset(tasks, budget) -> (state, obs)` and
+  `step(state, action) -> (state, obs, info)` on numpy arrays, plus `codec`, `max_obs_len`,
+  `max_action_len`. Per turn: one jitted `act` (decode), the host `step`, one jitted `observe`
+  (prefill); the output equals the JAX-native path's for the same environment and key.
   """
 
   def __init__(self, mcfg: ModelConfig, env, cfg: RolloutConfig):
     _check(env, cfg)
     self.mcfg, self.env, self.cfg = mcfg, env, cfg
     eot, pad = int(env.codec.end_of_turn_id), int(env.codec.pad_id)
-    self.pad = pad
+    obs_len = env.max_obs_len
     self._start = jax.jit(functools.partial(_start, mcfg, cfg, pad))
-    self._act = jax.jit(functools.partial(_act, mcfg, cfg, eot, pad, env.max_action_len),
-                        static_argnames=("obs_len",))
+    self._act = jax.jit(lambda params, c, budget, sc: _act(
+        mcfg, cfg, eot, pad, env.max_action_len, params, c, budget, sc, obs_len))
     self._observe = jax.jit(functools.partial(_observe, mcfg, eot))
-    self._alive = jax.jit(functools.partial(_alive, cfg=cfg, obs_len=env.max_obs_len))
-    self._finish = jax.jit(functools.partial(_finish, cfg, pad), static_argnames=("obs_len",))
+    self._alive = jax.jit(lambda c, budget: _alive(c, budget, cfg, obs_len)[0])
+    self._finish = jax.jit(lambda c, budget, task_id, group_id, optimal: _finish(
+        cfg, pad, c, budget, task_id, group_id, optimal, obs_len))
 
   def __call__(self, params, key, tasks, budget, task_id, group_id, sc) -> Trajectory:
     b = budget.shape[0]
-    k_reset, k_run = jax.random.split(key)
-    reset_budget = budget if self.cfg.budget_visible else np.full((b,), -1)
-    obs0 = self.env.reset(tasks, np.asarray(reset_budget))
+    _, k_run = jax.random.split(key)     # same key use as the JAX path (k_reset unused here)
+    reset_budget = np.asarray(budget) if self.cfg.budget_visible else np.full((b,), -1, np.int32)
+    state, obs0 = self.env.reset(jax.tree.map(np.asarray, tasks), reset_budget)
     c = self._start(params, _device(obs0), k_run)
     optimal = np.zeros((b,), np.int32)
-    obs_len = self.env.max_obs_len
     for t in range(self.cfg.max_turns):
-      active, _ = self._alive(c, budget)
-      if not bool(jnp.any(active)):
+      if not bool(jnp.any(self._alive(c, budget))):
         break
-      c, action, active, stopped = self._act(params, c, budget, sc, obs_len=obs_len)
-      act_np = jax.tree.map(np.asarray, action)
-      obs, info = self.env.step(act_np, np.asarray(active))
+      c, action, active, stopped = self._act(params, c, budget, sc)
+      # Rows that are not active never act again, so stepping them too is harmless (their
+      # records are masked by `active`).
+      state, obs, info = self.env.step(state, jax.tree.map(np.asarray, action))
       if t == 0:
         optimal = np.asarray(info.optimal_turns)
       c = self._observe(params, c, _device(obs), _device(info), active, stopped)
-    return self._finish(c, budget, task_id, group_id, jnp.asarray(optimal), obs_len=obs_len)
+    return self._finish(c, budget, task_id, group_id, jnp.asarray(optimal))
 
 
 def _device(tree):

@@ -151,3 +151,17 @@ def test_context_full_stops_rows(policy, env):
   assert np.all(length <= ctx)
   assert np.all(length + a + 1 + env.max_obs_len > ctx)
   assert np.all((2 <= np.asarray(traj.num_turns)) & (np.asarray(traj.num_turns) < 5))
+
+
+def test_host_env_gives_the_same_trajectory(policy, env):
+  from jaxagent.envs.host import HostLookupEnv
+  host = HostLookupEnv(env.codec, hops=2)
+  tasks = jax.vmap(env.sample_task)(jax.random.split(jax.random.key(11), NUM_TASKS))
+  kw = dict(budgets=[1, 3, 2, 3], max_turns=3, temperature=1.0, budget_visible=True)
+  jt = rollout(policy, env, jax.random.key(12), tasks, GROUP, **kw)
+  ht = rollout(policy, host, jax.random.key(12), tasks, GROUP, **kw)
+  for name in jt.__dataclass_fields__:
+    np.testing.assert_allclose(np.asarray(getattr(ht, name)), np.asarray(getattr(jt, name)),
+                               atol=1e-5, err_msg=name)
+  # Episodes really ran turns (the comparison is not between two empty batches).
+  assert int(np.asarray(jt.num_turns).sum()) > 0
