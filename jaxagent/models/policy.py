@@ -66,8 +66,9 @@ class Policy:
     """Samples continuations of token-id prompts; temperature 0 is greedy.
 
     Each output lists the generated tokens only, ending with a stop token when one was sampled.
-    `stop_tokens` empty means generate exactly `max_new_tokens`. Prompt lengths are padded to a
-    power of two so calls with similar prompt lengths reuse one compiled program.
+    `stop_tokens` empty means generate exactly `max_new_tokens`. Prompt lengths, max_new_tokens
+    and the number of stop tokens are padded to powers of two so similar calls reuse one
+    compiled program.
     """
     from jaxagent.rollout import sampler   # models must not import rollout at module level
     if not prompts or any(len(p) == 0 for p in prompts):
@@ -78,7 +79,10 @@ class Policy:
     for i, p in enumerate(prompts):
       toks[i, :len(p)] = p
     lens = np.asarray([len(p) for p in prompts], np.int32)
-    stops = np.asarray([list(stop_tokens) or [-1]] * b, np.int32)
+    # Stop ids padded with -1 to a bucketed count: a different number of stop tokens must not
+    # change the compiled program's shapes.
+    stops = np.full((b, _bucket(len(stop_tokens), 4)), -1, np.int32)
+    stops[:, :len(stop_tokens)] = list(stop_tokens)
     n = _bucket(max_new_tokens, 1)
     gen = sampler.generate(
         self.config, self.params, jnp.asarray(toks), jnp.asarray(lens), jax.random.key(seed),

@@ -1,0 +1,255 @@
+"""The sampler: sampling statistics of temperature / top-k / top-p / greedy, returned
+log-probabilities, per-row stop tokens and limits, batch independence, and no recompilation."""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxagent.models import decoder
+from jaxagent.models.config import ModelConfig
+from jaxagent.models.policy import Policy
+from jaxagent.rollout import sampler
+from jaxagent.rollout.sampler import SamplingConfig
+
+N_DRAWS = 40_000
+# Deliberately not sorted, so a sampler that confuses rank with token id fails.
+LOGITS = np.array([0.5, 2.0, -1.0, 1.5, -3.0, 1.0, 0.0, -0.5], np.float32)
+
+sample = jax.jit(sampler.sample_from_logits)
+
+
+def _softmax(x):
+  e = np.exp(x - x.max())
+  return e / e.sum()
+
+
+def _draw(sc: SamplingConfig, logits=LOGITS, seed=0):
+  tok, lp = sample(jax.random.key(seed), jnp.broadcast_to(jnp.asarray(logits), (N_DRAWS, len(logits))), sc)
+  return np.asarray(tok), np.asarray(lp)
+
+
+def _chi2_critical(df: int, z: float = 4.26) -> float:
+  """Upper quantile of chi-square(df) at normal z-score z (4.26 ~ p = 1e-5), Wilson-Hilferty."""
+  return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+
+
+def assert_distribution(tokens, probs):
+  """Chi-square goodness of fit of the token counts to `probs` (tokens with p = 0 never drawn).
+
+  Cells expecting fewer than 5 draws are pooled, as the chi-square approximation needs."""
+  counts = np.bincount(tokens, minlength=len(probs)).astype(np.float64)
+  zero = probs == 0
+  assert counts[zero].sum() == 0, f"drew tokens of probability 0: {np.nonzero(counts * zero)}"
+  expected = probs * len(tokens)
+  big = expected >= 5
+  obs = list(counts[big]) + ([counts[~big & ~zero].sum()] if (~big & ~zero).any() else [])
+  exp = list(expected[big]) + ([expected[~big & ~zero].sum()] if (~big & ~zero).any() else [])
+  obs, exp = np.array(obs), np.array(exp)
+  if len(obs) == 1:     # a single possible outcome: the support check above is the whole test
+    return
+  chi2 = float(((obs - exp) ** 2 / exp).sum())
+  assert chi2 < _chi2_critical(len(obs) - 1), (chi2, counts, expected)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.5, 2.0])
+def test_temperature_sampling_matches_softmax(temperature):
+  tokens, lp = _draw(SamplingConfig.make(temperature))
+  probs = _softmax(LOGITS.astype(np.float64) / temperature)
+  assert_distribution(tokens, probs)
+  np.testing.assert_allclose(lp, np.log(probs)[tokens], atol=1e-5)
+
+
+def test_top_k_samples_only_the_k_best_renormalised():
+  k = 3
+  tokens, lp = _draw(SamplingConfig.make(1.0, top_k=k))
+  top = np.argsort(-LOGITS)[:k]                      # tokens 1, 3, 5
+  assert set(np.unique(tokens)) == set(top.tolist())
+  probs = np.zeros(len(LOGITS))
+  probs[top] = _softmax(LOGITS[top].astype(np.float64))
+  assert_distribution(tokens, probs)
+  # Log-probs are those of the untruncated softmax at the temperature.
+  np.testing.assert_allclose(lp, np.log(_softmax(LOGITS.astype(np.float64)))[tokens], atol=1e-5)
+
+
+def _nucleus(probs, p):
+  """Smallest prefix (by decreasing probability) with mass >= p, worked out in float64."""
+  order = np.argsort(-probs)
+  cum = np.cumsum(probs[order])
+  return order[:int(np.searchsorted(cum, p)) + 1]
+
+
+@pytest.mark.parametrize("prefix", [1, 2, 3, 5])
+def test_top_p_keeps_exactly_the_smallest_prefix_with_mass_p(prefix):
+  base = _softmax(LOGITS.astype(np.float64))
+  cum = np.cumsum(np.sort(base)[::-1])
+  # A p strictly between two prefix masses, so the expected set is unambiguous.
+  lo = cum[prefix - 2] if prefix > 1 else 0.0
+  p = (lo + cum[prefix - 1]) / 2
+  keep = _nucleus(base, p)
+  assert len(keep) == prefix
+  tokens, _ = _draw(SamplingConfig.make(1.0, top_p=p))
+  assert set(np.unique(tokens)) == set(keep.tolist())
+  probs = np.zeros(len(LOGITS))
+  probs[keep] = base[keep] / base[keep].sum()
+  assert_distribution(tokens, probs)
+
+
+def test_top_p_and_top_k_together_with_temperature():
+  t, k = 0.7, 4
+  base = _softmax(LOGITS.astype(np.float64) / t)     # the nucleus is taken at the temperature
+  cum = np.cumsum(np.sort(base)[::-1])
+  p = (cum[1] + cum[2]) / 2
+  keep = _nucleus(base, p)                            # 3 tokens, fewer than k
+  assert len(keep) == 3
+  tokens, _ = _draw(SamplingConfig.make(t, top_k=k, top_p=p))
+  probs = np.zeros(len(LOGITS))
+  probs[keep] = base[keep] / base[keep].sum()
+  assert_distribution(tokens, probs)
+  tokens, _ = _draw(SamplingConfig.make(t, top_k=2, top_p=p))     # now top-k is the tighter one
+  assert set(np.unique(tokens)) == {1, 3}
+
+
+def test_greedy_at_temperature_zero():
+  logits = jax.random.normal(jax.random.key(1), (64, 50)) * 3
+  for knobs in [dict(), dict(top_k=5, top_p=0.3)]:     # truncation knobs are irrelevant
+    tok, lp = sample(jax.random.key(2), logits, SamplingConfig.make(0.0, **knobs))
+    np.testing.assert_array_equal(tok, np.argmax(logits, -1))
+    want = jax.nn.log_softmax(logits, -1)[np.arange(64), np.argmax(logits, -1)]
+    np.testing.assert_allclose(lp, want, atol=1e-6)
+
+
+def test_logprobs_are_log_softmax_over_temperature_at_the_sampled_token():
+  logits = jax.random.normal(jax.random.key(3), (256, 50)) * 2
+  for t, k, p in [(0.7, 0, 1.0), (1.3, 5, 1.0), (0.9, 0, 0.8)]:
+    tok, lp = sample(jax.random.key(4), logits, SamplingConfig.make(t, top_k=k, top_p=p))
+    want = np.asarray(jax.nn.log_softmax(logits / t, -1))[np.arange(256), np.asarray(tok)]
+    np.testing.assert_allclose(lp, want, atol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------
+# Generation with a tiny random model.
+
+CFG = ModelConfig(
+    model_type="qwen2", vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=2,
+    num_heads=4, num_kv_heads=2, head_dim=8, rope_theta=10000.0, rms_norm_eps=1e-6,
+    tie_word_embeddings=True, qkv_bias=True, qk_norm=False, max_position_embeddings=128)
+
+
+@pytest.fixture(scope="module")
+def params():
+  rng = np.random.RandomState(0)
+  _, shapes = decoder.abstract_params(CFG)
+  flat = jax.tree_util.tree_flatten_with_path(shapes)[0]
+  leaves = [jnp.asarray(("norm" in jax.tree_util.keystr(p)) + rng.normal(size=s.shape) * 0.3,
+                        jnp.float32) for p, s in flat]
+  return jax.tree.unflatten(jax.tree.structure(shapes), leaves)
+
+
+def _right_padded(prompts, width):
+  toks = np.zeros((len(prompts), width), np.int32)
+  for i, p in enumerate(prompts):
+    toks[i, :len(p)] = p
+  return jnp.asarray(toks), jnp.asarray([len(p) for p in prompts], jnp.int32)
+
+
+def _generate(params, prompts, *, max_new, stops, sc, seed=0, width=8, n=8):
+  toks, lens = _right_padded(prompts, width)
+  return sampler.generate(CFG, params, toks, lens, jax.random.key(seed), sc,
+                          jnp.asarray(max_new, jnp.int32), jnp.asarray(stops, jnp.int32),
+                          max_new_tokens=n, pad_id=0)
+
+
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [12], [13, 14, 15, 16]]
+NO_STOP = [[-1, -1]] * 3
+
+
+def test_per_row_max_new_and_stop_tokens(params):
+  greedy = SamplingConfig.make(0.0)
+  free = _generate(params, PROMPTS, max_new=[8, 8, 8], stops=NO_STOP, sc=greedy)
+  ref = np.asarray(free.tokens)
+  np.testing.assert_array_equal(free.lengths, [8, 8, 8])
+  assert not np.asarray(free.stopped).any()
+  stop1 = int(ref[1, 2])
+  first = list(ref[1]).index(stop1)                   # first occurrence (<= 2)
+  gen = _generate(params, PROMPTS, max_new=[3, 8, 0], stops=[[-1, -1], [63, stop1], [-1, -1]],
+                  sc=greedy)
+  lengths = np.asarray(gen.lengths)
+  np.testing.assert_array_equal(lengths, [3, first + 1, 0])
+  np.testing.assert_array_equal(gen.stopped, [False, True, False])
+  toks, lps = np.asarray(gen.tokens), np.asarray(gen.logprobs)
+  for b in range(3):
+    n = lengths[b]
+    np.testing.assert_array_equal(toks[b, :n], ref[b, :n])
+    np.testing.assert_allclose(lps[b, :n], np.asarray(free.logprobs)[b, :n], atol=1e-6)
+    assert (toks[b, n:] == 0).all() and (lps[b, n:] == 0).all()
+  # The cache holds prompt + generated tokens.
+  np.testing.assert_array_equal(gen.cache.length, [7 + 3, 1 + first + 1, 4])
+
+
+def test_rows_do_not_depend_on_their_batch(params):
+  """Greedy tokens and log-probs of a row are the same whatever the other rows hold."""
+  greedy = SamplingConfig.make(0.0)
+  a = _generate(params, PROMPTS, max_new=[8, 5, 8], stops=NO_STOP, sc=greedy)
+  other = [[1, 2], PROMPTS[0], [3] * 8]               # row 0's prompt moved to row 1
+  b = _generate(params, other, max_new=[8, 8, 2], stops=NO_STOP, sc=greedy)
+  np.testing.assert_array_equal(np.asarray(b.tokens)[1], np.asarray(a.tokens)[0])
+  np.testing.assert_allclose(np.asarray(b.logprobs)[1], np.asarray(a.logprobs)[0], atol=1e-6)
+
+
+def test_sampled_logprobs_match_a_full_forward(params):
+  """Sampling through the KV cache scores each token as a full recomputation would."""
+  t, k = 0.8, 10
+  gen = _generate(params, PROMPTS, max_new=[8, 8, 8], stops=NO_STOP,
+                  sc=SamplingConfig.make(t, top_k=k), seed=5)
+  toks, lps = np.asarray(gen.tokens), np.asarray(gen.logprobs)
+  seqs = np.zeros((3, 16), np.int32)
+  for b, p in enumerate(PROMPTS):
+    seqs[b, :len(p) + 8] = list(p) + list(toks[b])
+  logits = np.asarray(jax.jit(decoder.apply, static_argnums=0)(CFG, params, jnp.asarray(seqs))[0])
+  for b, p in enumerate(PROMPTS):
+    step = logits[b, len(p) - 1:len(p) + 7]             # logits predicting each new token
+    want = np.asarray(jax.nn.log_softmax(step / t, -1))[np.arange(8), toks[b]]
+    np.testing.assert_allclose(lps[b], want, atol=1e-4)
+    ranks = (step > step[np.arange(8), toks[b]][:, None]).sum(-1)
+    assert (ranks < k).all()
+  # Same seed, same samples; another seed, other samples.
+  again = _generate(params, PROMPTS, max_new=[8, 8, 8], stops=NO_STOP,
+                    sc=SamplingConfig.make(t, top_k=k), seed=5)
+  np.testing.assert_array_equal(again.tokens, toks)
+  other = _generate(params, PROMPTS, max_new=[8, 8, 8], stops=NO_STOP,
+                    sc=SamplingConfig.make(t, top_k=k), seed=6)
+  assert not np.array_equal(np.asarray(other.tokens), toks)
+
+
+def test_no_recompilation_across_calls(params, monkeypatch):
+  """Prompt contents, prompt lengths within a bucket, sampling knobs, stop tokens and per-row
+  limits are all data: one trace serves every call below."""
+  chex.clear_trace_counter()
+  counted = jax.jit(chex.assert_max_traces(sampler.generate.__wrapped__, n=1),
+                    static_argnames=("cfg", "max_new_tokens", "pad_id"))
+  monkeypatch.setattr(sampler, "generate", counted)
+  policy = Policy(config=CFG, params=params, tokenizer=None)
+  calls = [
+      dict(prompts=[[1, 2, 3], [4, 5]], max_new_tokens=5),
+      dict(prompts=[[9] * 9, [4]], max_new_tokens=7, temperature=0.0, seed=1, stop_tokens=(3,)),
+      dict(prompts=[[7] * 16, [2] * 10], max_new_tokens=8, temperature=0.5, top_k=5, top_p=0.9,
+           seed=2, stop_tokens=(3, 4, 5)),
+      dict(prompts=[[8, 1], [6] * 11], max_new_tokens=6, temperature=1.3, top_p=0.5,
+           stop_tokens=(60, 61)),
+  ]
+  for kw in calls:
+    outs = policy.generate(**kw)
+    assert len(outs) == 2 and all(len(o) <= kw["max_new_tokens"] for o in outs)
+  # Per-row limits and stop ids straight through the sampler (same shapes as the calls above:
+  # prompts padded to 16, 8 new tokens, 4 stop-id slots).
+  for max_new, stops in [([1, 8], [[3, -1, -1, -1], [-1] * 4]), ([8, 0], [[-1] * 4, [2, 9, 4, 1]])]:
+    _generate(params, [[1, 2], [3]], max_new=max_new, stops=stops, width=16,
+              sc=SamplingConfig.make(0.9, top_k=3))
+  assert counted._cache_size() == 1
