@@ -138,6 +138,14 @@ def parse_uint(data: jax.Array, start: jax.Array, length: jax.Array,
   return jnp.where(ok, value, 0).astype(jnp.int32), ok
 
 
+def is_digits(data: jax.Array, start: jax.Array, length: jax.Array) -> jax.Array:
+  """Whether data[start:start+length] is non-empty and all decimal digits (any length). Jittable."""
+  idx = jnp.arange(data.shape[0], dtype=jnp.int32)
+  inside = (idx >= start) & (idx < start + length)
+  digit = (data >= ord("0")) & (data <= ord("9"))
+  return (length >= 1) & jnp.all(~inside | digit)
+
+
 def arg_name(call: ParsedCall, k: int, table: ByteTable) -> jax.Array:
   """Index in `table` of argument k, or -1 (absent, or not a known name). Jittable."""
   return jnp.where(call.num_args > k, match_name(call.data, call.arg_start[k], call.arg_len[k], table), -1)
@@ -147,6 +155,11 @@ def arg_uint(call: ParsedCall, k: int) -> tuple[jax.Array, jax.Array]:
   """Argument k as a non-negative integer: (value, ok). Jittable."""
   v, ok = parse_uint(call.data, call.arg_start[k], call.arg_len[k])
   return v, ok & (call.num_args > k)
+
+
+def arg_is_digits(call: ParsedCall, k: int) -> jax.Array:
+  """Whether argument k is present and all digits (a number, maybe too long for `arg_uint`)."""
+  return (call.num_args > k) & is_digits(call.data, call.arg_start[k], call.arg_len[k])
 
 
 # ---- rendering --------------------------------------------------------------------------------
@@ -216,6 +229,14 @@ def capacity(pieces: list[Piece]) -> int:
 
 
 # ---- step bookkeeping -------------------------------------------------------------------------
+
+
+def is_valid_call(error_kind: jax.Array) -> jax.Array:
+  """`StepInfo.valid_call` from the error kind, the same rule in every environment: the action
+  parsed, named a tool, had valid arguments and the tool executed it (NONE, or WRONG_ANSWER: a
+  well-formed final answer that is wrong). TOOL_FAILURE / PRECONDITION_FAILED calls are not valid:
+  repeating them is not a recovery."""
+  return (error_kind == ErrorKind.NONE) | (error_kind == ErrorKind.WRONG_ANSWER)
 
 
 def finish_step(state, new_state, obs: TokenBuffer, info: StepInfo):

@@ -103,3 +103,76 @@ def any_tokenizer(request, builtin_tokenizer):
   if request.param == "builtin":
     return builtin_tokenizer
   return request.getfixturevalue("large_tokenizer")
+
+
+# ---- helpers shared by the environment tests (exposed as fixtures: tests/envs has no package) ----
+
+
+class EnvKit:
+  """Builds action buffers and runs batched episodes for the environment tests."""
+
+  @staticmethod
+  def action(codec, text, n, split="tokenizer"):
+    """TokenBuffer [n] of `text`: the tokenizer's own split, or one token per byte ("chars")."""
+    import jax.numpy as jnp
+    import numpy as np
+    from jaxagent.envs.base import TokenBuffer
+    if split == "tokenizer":
+      ids = codec.encode(text)
+    else:
+      ids = np.asarray([EnvKit.byte_token(codec, b) for b in text.encode()], np.int32)
+    assert len(ids) <= n, (text, len(ids), n)
+    return TokenBuffer(tokens=jnp.asarray(np.pad(ids, (0, n - len(ids))), jnp.int32),
+                       length=jnp.int32(len(ids)))
+
+  @staticmethod
+  def byte_token(codec, b):
+    """The id of a single-byte token for byte b."""
+    cache = codec.__dict__.setdefault("_test_byte_tokens", {})
+    if not cache:
+      import numpy as np
+      for i in np.nonzero(codec.token_nbytes == 1)[0][::-1]:
+        cache[int(codec.token_bytes[i, 0])] = int(i)
+    return cache[b]
+
+  @staticmethod
+  def batch(tree, b):
+    import jax
+    import jax.numpy as jnp
+    return jax.tree.map(lambda x: jnp.broadcast_to(jnp.asarray(x), (b,) + jnp.shape(x)), tree)
+
+  @staticmethod
+  def run_oracle(env, batch=256, seed=0, budget=-1):
+    """Runs the oracle on `batch` sampled tasks for optimal_turns steps with jit(vmap(step)),
+    asserting the step function is traced once for all turns (per-row budgets included). Returns the per-turn infos (numpy) and the
+    final state."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    traces = []
+
+    def counted_step(state, action):
+      traces.append(1)   # runs once per trace, not per call
+      return env.step(state, action)
+
+    step = jax.jit(jax.vmap(counted_step))
+    reset = jax.jit(jax.vmap(env.reset))
+    oracle = jax.jit(jax.vmap(env.oracle_action))
+    keys = jax.random.split(jax.random.key(seed), batch)
+    budget = jnp.broadcast_to(jnp.asarray(budget, jnp.int32), (batch,))
+    state, obs = reset(keys, None, budget)
+    assert np.all(np.asarray(obs.length) > 0) and np.all(np.asarray(obs.length) <= env.max_obs_len)
+    infos = []
+    turns = int(np.asarray(jax.vmap(env.optimal_turns)(state.task)).max())
+    for _ in range(turns):
+      action = oracle(state)
+      assert np.all(np.asarray(action.length) < env.max_action_len)
+      state, obs, info = step(state, action)
+      infos.append(jax.tree.map(np.asarray, info))
+    assert len(traces) == 1, f"jit(vmap(step)) traced {len(traces)} times"
+    return infos, state
+
+
+@pytest.fixture(scope="session")
+def kit():
+  return EnvKit

@@ -1,0 +1,160 @@
+"""Tests of the `lookup` environment (envs/lookup.py)."""
+
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+import jaxagent.envs as envs
+from jaxagent.envs.base import ERROR_KIND_NAMES, ErrorKind
+from jaxagent.envs.lookup import ENTITY_NAMES, RELATION_NAMES, LookupTask
+
+K = ErrorKind
+SYSTEM = (
+    "You answer a question about a hidden knowledge base by calling tools, one call per turn.\n"
+    "Tools:\n"
+    "lookup(entity, relation): returns the entity that is the given relation of the given entity.\n"
+    "answer(entity): gives your final answer and ends the episode.\n"
+    "Relations: owner, city, mentor.")
+ACTION_LEN = 48
+
+
+@pytest.fixture(scope="module")
+def lk(any_tokenizer):
+  env = envs.make("lookup", any_tokenizer, hops=2, distractor_entities=2, num_relations=3,
+                  max_action_len=ACTION_LEN)
+  return types.SimpleNamespace(env=env, codec=env.codec, reset=jax.jit(env.reset),
+                               step=jax.jit(env.step), oracle=jax.jit(env.oracle_action))
+
+
+def hand_task():
+  """Alba -owner-> Brix -city-> Cato; distractors Alba -city-> Dara -mentor-> Elko."""
+  ids = [ENTITY_NAMES.index(n) for n in ("Alba", "Brix", "Cato", "Dara", "Elko")]
+  rels = [RELATION_NAMES.index(r) for r in ("owner", "city", "mentor")]
+  link = -np.ones((5, 3), np.int32)
+  link[0, 0], link[1, 1], link[0, 1], link[3, 2] = 1, 2, 3, 4
+  return LookupTask(entities=jnp.asarray(ids, jnp.int32), relations=jnp.asarray(rels, jnp.int32),
+                    link=jnp.asarray(link), path=jnp.asarray([0, 1], jnp.int32))
+
+
+@pytest.mark.parametrize("hops,distractors,relations", [(1, 0, 1), (3, 6, 8)])
+def test_oracle_solves_every_task_in_optimal_turns(any_tokenizer, kit, hops, distractors, relations):
+  env = envs.make("lookup", any_tokenizer, hops=hops, distractor_entities=distractors,
+                  num_relations=relations)
+  budget = np.where(np.arange(256) % 2 == 0, -1, hops + 1)   # hidden and tight visible budgets
+  infos, state = kit.run_oracle(env, batch=256, budget=budget)
+  assert len(infos) == hops + 1
+  for t, info in enumerate(infos):
+    assert np.all(info.error_kind == K.NONE) and np.all(info.valid_call) and np.all(info.oracle_match)
+    assert np.all(info.optimal_turns == hops + 1)
+    last = t == hops
+    assert np.all(info.solved == last) and np.all(info.done == last) and np.all(info.reward == float(last))
+  assert np.all(np.asarray(state.progress) == hops) and np.all(np.asarray(state.done))
+
+
+def test_observations_and_error_kinds_exact(builtin_tokenizer, kit):
+  env = envs.make("lookup", builtin_tokenizer, hops=2, distractor_entities=2, num_relations=3,
+                  max_action_len=ACTION_LEN)
+  codec, step = env.codec, jax.jit(env.step)
+  state, obs = env.reset(jax.random.key(0), hand_task(), 10)
+  assert codec.decode(obs) == (
+      "<|im_start|>system\n" + SYSTEM + "<|im_end|>\n<|im_start|>user\n"
+      "Question: what is the city of the owner of Alba?\nYou have 10 turns.<|im_end|>\n"
+      "<|im_start|>assistant\n")
+  script = [
+      ("lookup Alba", K.PARSE_ERROR,
+       "Error: could not parse the action. Reply with one tool call, e.g. lookup(entity, relation)."),
+      ("search(Alba)", K.UNKNOWN_TOOL, "Error: unknown tool. The tools are lookup and answer."),
+      ("lookup(Alba)", K.BAD_ARGUMENTS, "Error: lookup takes two arguments: lookup(entity, relation)."),
+      ("lookup(Pax, owner)", K.BAD_ARGUMENTS, "Error: unknown entity."),   # a name, not in this task
+      ("lookup(Alba, rival)", K.BAD_ARGUMENTS, "Error: unknown relation."),
+      ("lookup(Brix, owner)", K.TOOL_FAILURE, "Error: Brix has no owner."),
+      ("lookup(Alba, owner)", K.NONE, "The owner of Alba is Brix."),
+      ("lookup( 'Alba' ,city )", K.NONE, "The city of Alba is Dara."),
+      ("lookup(Brix, city)", K.NONE, "The city of Brix is Cato."),
+      ("answer(Dara)", K.WRONG_ANSWER, "Wrong answer."),
+  ]
+  oracle_matches = [False] * 6 + [True, False, True, False]
+  for t, ((text, kind, body), om) in enumerate(zip(script, oracle_matches)):
+    state, obs, info = step(state, kit.action(codec, text, ACTION_LEN))
+    assert codec.decode(obs) == (
+        f"\n<|im_start|>tool\n{body}\nTurns left: {9 - t}.<|im_end|>\n<|im_start|>assistant\n"), text
+    assert ERROR_KIND_NAMES[int(info.error_kind)] == kind.name.lower(), text
+    assert bool(info.valid_call) == (kind in (K.NONE, K.WRONG_ANSWER)), text
+    assert bool(info.oracle_match) == om, text
+    assert bool(info.done) == (kind == K.WRONG_ANSWER) and float(info.reward) == 0.0
+  # After done: no-ops.
+  before = state
+  state, obs, info = step(state, kit.action(codec, "answer(Cato)", ACTION_LEN))
+  jax.tree.map(np.testing.assert_array_equal, before, state)
+  assert int(obs.length) == 0 and bool(info.done) and float(info.reward) == 0.0
+  assert int(info.error_kind) == K.NONE and not bool(info.solved)
+
+
+def test_correct_answer_and_hidden_budget(lk, kit):
+  env, codec = lk.env, lk.codec
+  state, obs = lk.reset(jax.random.key(0), hand_task(), -1)
+  assert "You have" not in codec.decode(obs)
+  assert codec.decode(lk.oracle(state)) == "lookup(Alba, owner)"
+  state, obs, info = lk.step(state, lk.oracle(state))
+  body = codec.decode(obs)
+  assert "The owner of Alba is Brix." in body and "Turns left" not in body
+  state, _, _ = lk.step(state, lk.oracle(state))
+  assert codec.decode(lk.oracle(state)) == "answer(Cato)"
+  state, obs, info = lk.step(state, kit.action(codec, ' answer( "Cato" ) ', ACTION_LEN))
+  assert bool(info.solved) and bool(info.done) and float(info.reward) == 1.0 and bool(info.oracle_match)
+  assert "Correct." in codec.decode(obs)
+
+
+def test_budget_spent_ends_the_episode(lk, kit):
+  state, _ = lk.reset(jax.random.key(0), hand_task(), 2)
+  state, obs, info = lk.step(state, kit.action(lk.codec, "nope", ACTION_LEN))
+  assert not bool(info.done) and "Turns left: 1." in lk.codec.decode(obs)
+  state, obs, info = lk.step(state, kit.action(lk.codec, "nope", ACTION_LEN))
+  assert bool(info.done) and not bool(info.solved) and "Turns left: 0." in lk.codec.decode(obs)
+  assert int(state.turn) == 2 and bool(state.done)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_arbitrary_tokens_never_break_the_env(lk, data):
+  env = lk.env
+  v = lk.codec.vocab_size
+  ids = data.draw(st.lists(st.integers(-3, v + 3) | st.sampled_from([lk.codec.end_of_turn_id, 0, 1, 2]),
+                           max_size=ACTION_LEN))
+  length = data.draw(st.integers(0, ACTION_LEN))
+  tokens = np.zeros(ACTION_LEN, np.int32)
+  tokens[:len(ids)] = ids
+  state, _ = lk.reset(jax.random.key(data.draw(st.integers(0, 3))), None, data.draw(st.sampled_from([-1, 0, 3])))
+  action = envs.TokenBuffer(tokens=jnp.asarray(tokens), length=jnp.int32(length))
+  new, obs, info = lk.step(state, action)
+  assert np.isfinite(float(info.reward)) and float(info.reward) in (0.0, 1.0)
+  assert 0 <= int(info.error_kind) < len(ErrorKind)
+  assert 0 < int(obs.length) <= env.max_obs_len
+  assert int(new.turn) == 1 and int(new.progress) in (0, 1)
+  if not bool(info.valid_call):
+    assert int(new.progress) == 0 and int(info.error_kind) != K.NONE
+
+
+_names = st.sampled_from(("Alba", "Brix", "Cato", "Dara", "Pax", "owner", "city", "mentor", "x", "42"))
+_calls = st.builds(
+    lambda tool, args, sp, q: tool + "(" + ",".join(sp + q + a + q + sp for a in args) + ")",
+    st.sampled_from(("lookup", "answer", "look", "")), st.lists(_names, max_size=3),
+    st.sampled_from(("", " ", "  ")), st.sampled_from(("", "'", '"')))
+_texts = _calls | st.text(alphabet="lookupanswer(),' Alba1234", max_size=ACTION_LEN)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(text=_texts)
+def test_tokenisation_does_not_change_parsing(lk, kit, text):
+  state, _ = lk.reset(jax.random.key(0), hand_task(), 5)
+  outs = [lk.step(state, kit.action(lk.codec, text, ACTION_LEN, split))
+          for split in ("tokenizer", "chars")]
+  (s1, o1, i1), (s2, o2, i2) = outs
+  jax.tree.map(np.testing.assert_array_equal, (s1, i1), (s2, i2))
+  n = int(o1.length)
+  assert int(o2.length) == n
+  np.testing.assert_array_equal(np.asarray(o1.tokens)[:n], np.asarray(o2.tokens)[:n])
