@@ -43,6 +43,9 @@ def make_mesh(shape: Mapping[str, int] | Sequence[int] | None = None, devices=No
   if shape is None:
     shape = {"data": 1, "fsdp": -1, "tensor": 1}
   if not isinstance(shape, Mapping):
+    if len(shape) != len(MESH_AXES):
+      raise ValueError(f"mesh shape {tuple(shape)}: give {len(MESH_AXES)} sizes, one for each "
+                       f"of {MESH_AXES}, or a dict such as {{'fsdp': -1, 'tensor': 2}}")
     shape = dict(zip(MESH_AXES, shape))
   unknown = set(shape) - set(MESH_AXES)
   if unknown:
