@@ -61,6 +61,9 @@ class _Records:
   reward: jax.Array         # [B, T] float32
   solved: jax.Array         # [B, T] bool
   action_length: jax.Array  # [B, T] int32
+  turn_start: jax.Array     # [B, T] int32
+  actions: jax.Array        # [B, T, A] int32 (A = the environment's max_action_len)
+  actions_len: jax.Array    # [B, T] int32
 
 
 @struct.dataclass
@@ -155,6 +158,14 @@ def _act_forced(mcfg: ModelConfig, cfg: RolloutConfig, eot: int, pad: int, actio
   return c, TokenBuffer(tokens=act_tokens, length=n), active, jnp.ones((b,), bool)
 
 
+def _record_action(c: _Carry, action: TokenBuffer, active, start):
+  r = c.rec
+  return c.replace(rec=r.replace(
+      turn_start=r.turn_start.at[:, c.t].set(jnp.where(active, start, 0)),
+      actions=r.actions.at[:, c.t].set(jnp.where(active[:, None], action.tokens, 0)),
+      actions_len=r.actions_len.at[:, c.t].set(jnp.where(active, action.length, 0))))
+
+
 def _observe(mcfg: ModelConfig, eot: int, params, c: _Carry, obs: TokenBuffer, info: StepInfo,
              active, stopped):
   """Appends (<eot> if it was not sampled) + observation for live rows and records the step."""
@@ -188,7 +199,8 @@ def _observe(mcfg: ModelConfig, eot: int, params, c: _Carry, obs: TokenBuffer, i
                    done=c.done | ended, status=status, num_turns=c.num_turns + active)
 
 
-def _start(mcfg: ModelConfig, cfg: RolloutConfig, pad: int, params, obs0: TokenBuffer, key):
+def _start(mcfg: ModelConfig, cfg: RolloutConfig, pad: int, action_len: int, params,
+           obs0: TokenBuffer, key):
   b, n0 = obs0.tokens.shape
   cache = decoder.init_cache(mcfg, b, cfg.context_len)
   logits, cache = sampler.prefill(mcfg, params, cache, obs0.tokens, obs0.length)
@@ -199,9 +211,10 @@ def _start(mcfg: ModelConfig, cfg: RolloutConfig, pad: int, params, obs0: TokenB
                  loss_mask=zeros_l, logprobs=zeros_l,
                  turn=jnp.full((b, l), -1, jnp.int32))
   fb = jnp.zeros((b, tm), bool)
-  rec = _Records(acted=fb, valid_call=fb, error_kind=jnp.zeros((b, tm), jnp.int32),
-                 oracle_match=fb, reward=jnp.zeros((b, tm)), solved=fb,
-                 action_length=jnp.zeros((b, tm), jnp.int32))
+  zi = jnp.zeros((b, tm), jnp.int32)
+  rec = _Records(acted=fb, valid_call=fb, error_kind=zi, oracle_match=fb,
+                 reward=jnp.zeros((b, tm)), solved=fb, action_length=zi, turn_start=zi,
+                 actions=jnp.zeros((b, tm, action_len), jnp.int32), actions_len=zi)
   return _Carry(t=jnp.int32(0), cache=cache, next_logits=logits, buf=buf, rec=rec,
                 done=jnp.zeros((b,), bool), status=jnp.zeros((b,), jnp.int32),
                 num_turns=jnp.zeros((b,), jnp.int32), key=key)
@@ -225,7 +238,8 @@ def _finish(cfg: RolloutConfig, pad: int, c: _Carry, budget, task_id, group_id, 
       length=length,
       acted=c.rec.acted, valid_call=c.rec.valid_call, error_kind=c.rec.error_kind,
       oracle_match=c.rec.oracle_match, reward=c.rec.reward, solved=c.rec.solved,
-      action_length=c.rec.action_length,
+      action_length=c.rec.action_length, turn_start=c.rec.turn_start,
+      action_tokens=c.rec.actions, action_tokens_len=c.rec.actions_len,
       success_turn=jnp.where(jnp.any(c.rec.solved, axis=1), first, tm + 1).astype(jnp.int32),
       num_turns=c.num_turns, budget=budget.astype(jnp.int32), task_id=task_id.astype(jnp.int32),
       group_id=group_id.astype(jnp.int32), status=status.astype(jnp.int32),
@@ -257,7 +271,7 @@ def make_rollout_fn(mcfg: ModelConfig, env, cfg: RolloutConfig, forced_action=No
     k_reset, k_run = jax.random.split(key)
     reset_budget = budget if cfg.budget_visible else jnp.full_like(budget, -1)
     state, obs0 = jax.vmap(env.reset)(jax.random.split(k_reset, b), tasks, reset_budget)
-    c = _start(mcfg, cfg, pad, params, obs0, k_run)
+    c = _start(mcfg, cfg, pad, action_len, params, obs0, k_run)
     optimal = jnp.zeros((b,), jnp.int32)
 
     def cond(x):
@@ -267,6 +281,7 @@ def make_rollout_fn(mcfg: ModelConfig, env, cfg: RolloutConfig, forced_action=No
 
     def body(x):
       c, state, optimal = x
+      start = c.cache.length
       if forced_action is None:
         c, action, active, stopped = _act(mcfg, cfg, eot, pad, action_len, params, c, budget, sc,
                                           obs_len)
@@ -276,6 +291,7 @@ def make_rollout_fn(mcfg: ModelConfig, env, cfg: RolloutConfig, forced_action=No
         c, action, active, stopped = _act_forced(mcfg, cfg, eot, pad, action_len, params,
                                                  c.replace(key=key), budget, given, obs_len,
                                                  sc.temperature)
+      c = _record_action(c, action, active, start)
       new_state, obs, info = jax.vmap(env.step)(state, action)
       state = _where_tree(active, new_state, state)
       optimal = jnp.where(c.t == 0, info.optimal_turns, optimal)
@@ -311,9 +327,15 @@ class HostRollout:
     self.mcfg, self.env, self.cfg = mcfg, env, cfg
     eot, pad = int(env.codec.end_of_turn_id), int(env.codec.pad_id)
     obs_len = env.max_obs_len
-    self._start = jax.jit(functools.partial(_start, mcfg, cfg, pad))
-    self._act = jax.jit(lambda params, c, budget, sc: _act(
-        mcfg, cfg, eot, pad, env.max_action_len, params, c, budget, sc, obs_len))
+    self._start = jax.jit(functools.partial(_start, mcfg, cfg, pad, env.max_action_len))
+
+    def act(params, c, budget, sc):
+      start = c.cache.length
+      c, action, active, stopped = _act(mcfg, cfg, eot, pad, env.max_action_len, params, c,
+                                        budget, sc, obs_len)
+      return _record_action(c, action, active, start), action, active, stopped
+
+    self._act = jax.jit(act)
     self._observe = jax.jit(functools.partial(_observe, mcfg, eot))
     self._alive = jax.jit(lambda c, budget: _alive(c, budget, cfg, obs_len)[0])
     self._finish = jax.jit(lambda c, budget, task_id, group_id, optimal: _finish(

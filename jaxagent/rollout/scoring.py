@@ -17,11 +17,13 @@ from jaxagent.models.config import ModelConfig
 from jaxagent.rollout.sampler import scaled_logprobs
 
 
-def token_logprobs(cfg: ModelConfig, params, tokens, length, temperature=1.0, chunk: int = 128):
-  """logprobs [B, L] float32: entry i is log p(tokens[i] | tokens[:i]) at `temperature`
-  (log_softmax(logits / T); T = 0 means 1). Entry 0 and entries at or past `length` are 0.
+def _chunked_scores(cfg: ModelConfig, params, tokens, length, temperature, chunk: int,
+                    with_entropy: bool):
+  """(logprobs [B, L], entropy [B, L] or None); see `token_logprobs_and_entropy`.
 
-  tokens [B, L] int32, length [B] int32. Pure; jit it at the call site (or use `score`).
+  One forward pass to the final hidden states, then unembedding + log-softmax chunk by chunk
+  (`lax.map`). Each chunk is rematerialised (`jax.checkpoint`), so a gradient through this
+  function also never holds more than one chunk's [B, chunk, V] logits.
   """
   b, l = tokens.shape
   mask = jnp.arange(l)[None, :] < length[:, None]
@@ -36,14 +38,44 @@ def token_logprobs(cfg: ModelConfig, params, tokens, length, temperature=1.0, ch
   hc = h.reshape(b, -1, c, h.shape[-1]).swapaxes(0, 1)
   tc = tgt.reshape(b, -1, c).swapaxes(0, 1)
 
+  @jax.checkpoint
   def one(args):
     hx, tx = args
     logp = scaled_logprobs(decoder.unembed(cfg, params, hx), temperature)
-    return jnp.take_along_axis(logp, tx[..., None], axis=-1)[..., 0]
+    lp = jnp.take_along_axis(logp, tx[..., None], axis=-1)[..., 0]
+    if not with_entropy:
+      return lp, None
+    return lp, -jnp.sum(jnp.exp(logp) * logp, axis=-1)
 
-  lp = jax.lax.map(one, (hc, tc)).swapaxes(0, 1).reshape(b, -1)[:, :n]
-  lp = jnp.concatenate([jnp.zeros((b, 1), lp.dtype), lp], axis=1)
-  return jnp.where(mask, lp, 0.0)
+  def unchunk(x):
+    x = x.swapaxes(0, 1).reshape(b, -1)[:, :n]
+    x = jnp.concatenate([jnp.zeros((b, 1), x.dtype), x], axis=1)
+    return jnp.where(mask, x, 0.0)
+
+  lp, ent = jax.lax.map(one, (hc, tc))
+  return unchunk(lp), (unchunk(ent) if with_entropy else None)
+
+
+def token_logprobs(cfg: ModelConfig, params, tokens, length, temperature=1.0, chunk: int = 128):
+  """logprobs [B, L] float32: entry i is log p(tokens[i] | tokens[:i]) at `temperature`
+  (log_softmax(logits / T); T = 0 means 1). Entry 0 and entries at or past `length` are 0.
+
+  tokens [B, L] int32, length [B] int32. Pure; jit it at the call site (or use `score`).
+  """
+  return _chunked_scores(cfg, params, tokens, length, temperature, chunk, with_entropy=False)[0]
+
+
+def token_logprobs_and_entropy(cfg: ModelConfig, params, tokens, length, temperature=1.0,
+                               chunk: int = 128):
+  """(logprobs [B, L], entropy [B, L]) float32, aligned: entry i concerns the distribution
+  p_i = softmax(logits_{i-1} / T) that predicts tokens[i] (T = 0 means 1):
+
+      logprobs[b, i] = log p_i(tokens[b, i]),   entropy[b, i] = -sum_v p_i(v) log p_i(v).
+
+  Entry 0 and entries at or past `length` are 0. Same single forward pass and chunked
+  log-softmax as `token_logprobs` (identical log-probs); differentiable wrt params.
+  """
+  return _chunked_scores(cfg, params, tokens, length, temperature, chunk, with_entropy=True)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "chunk"))

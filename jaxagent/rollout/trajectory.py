@@ -43,6 +43,9 @@ class Trajectory:
   reward: jax.Array              # float32 environment reward
   solved: jax.Array              # bool solved at this turn
   action_length: jax.Array       # int32 sampled tokens of the action (end-of-turn included)
+  turn_start: jax.Array          # int32 transcript length before the turn's action (its prefix)
+  action_tokens: jax.Array       # [B, T_max, A] int32 the action the environment received
+  action_tokens_len: jax.Array   # int32 its length (no end-of-turn token)
   # Episode level, [B].
   success_turn: jax.Array        # int32 first solving turn (1-based), or T_max + 1
   num_turns: jax.Array           # int32 turns taken

@@ -104,6 +104,11 @@ def test_sampled_transcript_masks_and_logprobs(policy, env):
     assert np.asarray(traj.tokens[row, :n]).tolist() == tokens
     for t, info in enumerate(records):
       assert int(traj.error_kind[row, t]) == int(info.error_kind)
+      # The recorded action is what the environment got; turn_start is the prefix before it.
+      k = int(traj.action_tokens_len[row, t])
+      sampled = np.asarray(traj.tokens[row])[(turn[row] == t) & (mask[row] == 1)].tolist()
+      assert np.asarray(traj.action_tokens[row, t, :k]).tolist() == sampled[:k]
+      assert int(traj.turn_start[row, t]) == int(np.argmax(turn[row] == t))
     # loss_mask is 1 only on sampled tokens: their count per turn is the action length.
     for t in range(int(traj.num_turns[row])):
       assert mask[row][turn[row] == t].sum() == int(traj.action_length[row, t])
