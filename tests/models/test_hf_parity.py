@@ -95,7 +95,9 @@ def _hf_greedy(model, prompt, max_new_tokens):
   return out.tolist()
 
 
-@pytest.mark.parametrize("name", FAMILY_NAMES)
+# Two families keep the suite fast; the KV-cache path of every feature (q/k norm, qkv bias,
+# llama3 rope) is checked against full recomputation in test_decoder.py.
+@pytest.mark.parametrize("name", ["qwen2_tied", "llama3_untied"])
 def test_greedy_generation_matches_transformers(name, hf_checkpoint, loaded_policy):
   ckpt = hf_checkpoint(name)
   policy = loaded_policy(name)

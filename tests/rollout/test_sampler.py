@@ -116,20 +116,26 @@ def test_top_p_and_top_k_together_with_temperature():
   assert set(np.unique(tokens)) == {1, 3}
 
 
+# Random logits of the same shape as above: `sample` is compiled once for the whole module.
+def _random_logits(seed, scale):
+  return np.random.RandomState(seed).normal(size=(N_DRAWS, len(LOGITS))).astype(np.float32) * scale
+
+
 def test_greedy_at_temperature_zero():
-  logits = jax.random.normal(jax.random.key(1), (64, 50)) * 3
+  logits = _random_logits(1, 3.0)
+  best = np.argmax(logits, -1)
   for knobs in [dict(), dict(top_k=5, top_p=0.3)]:     # truncation knobs are irrelevant
-    tok, lp = sample(jax.random.key(2), logits, SamplingConfig.make(0.0, **knobs))
-    np.testing.assert_array_equal(tok, np.argmax(logits, -1))
-    want = jax.nn.log_softmax(logits, -1)[np.arange(64), np.argmax(logits, -1)]
+    tok, lp = sample(jax.random.key(2), jnp.asarray(logits), SamplingConfig.make(0.0, **knobs))
+    np.testing.assert_array_equal(tok, best)
+    want = np.asarray(jax.nn.log_softmax(logits, -1))[np.arange(N_DRAWS), best]
     np.testing.assert_allclose(lp, want, atol=1e-6)
 
 
 def test_logprobs_are_log_softmax_over_temperature_at_the_sampled_token():
-  logits = jax.random.normal(jax.random.key(3), (256, 50)) * 2
+  logits = _random_logits(3, 2.0)
   for t, k, p in [(0.7, 0, 1.0), (1.3, 5, 1.0), (0.9, 0, 0.8)]:
-    tok, lp = sample(jax.random.key(4), logits, SamplingConfig.make(t, top_k=k, top_p=p))
-    want = np.asarray(jax.nn.log_softmax(logits / t, -1))[np.arange(256), np.asarray(tok)]
+    tok, lp = sample(jax.random.key(4), jnp.asarray(logits), SamplingConfig.make(t, top_k=k, top_p=p))
+    want = np.asarray(jax.nn.log_softmax(logits / t, -1))[np.arange(N_DRAWS), np.asarray(tok)]
     np.testing.assert_allclose(lp, want, atol=1e-5)
 
 
@@ -159,15 +165,22 @@ def _right_padded(prompts, width):
   return jnp.asarray(toks), jnp.asarray([len(p) for p in prompts], jnp.int32)
 
 
-def _generate(params, prompts, *, max_new, stops, sc, seed=0, width=8, n=8):
-  toks, lens = _right_padded(prompts, width)
-  return sampler.generate(CFG, params, toks, lens, jax.random.key(seed), sc,
-                          jnp.asarray(max_new, jnp.int32), jnp.asarray(stops, jnp.int32),
-                          max_new_tokens=n, pad_id=0)
+# `sampler.generate` that fails on a second trace. Every generation in this module has the
+# shapes Policy.generate gives 3 prompts of <= 16 tokens, 5..8 new tokens and <= 4 stop ids, so
+# the whole module compiles the sampler once.
+GENERATE = jax.jit(chex.assert_max_traces(sampler.generate.__wrapped__, n=1),
+                   static_argnames=("cfg", "max_new_tokens", "pad_id"))
+
+
+def _generate(params, prompts, *, max_new, stops, sc, seed=0):
+  toks, lens = _right_padded(prompts, 16)
+  return GENERATE(CFG, params, toks, lens, jax.random.key(seed), sc,
+                  jnp.asarray(max_new, jnp.int32), jnp.asarray(stops, jnp.int32),
+                  max_new_tokens=8, pad_id=0)
 
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [12], [13, 14, 15, 16]]
-NO_STOP = [[-1, -1]] * 3
+NO_STOP = [[-1] * 4] * 3
 
 
 def test_per_row_max_new_and_stop_tokens(params):
@@ -178,8 +191,8 @@ def test_per_row_max_new_and_stop_tokens(params):
   assert not np.asarray(free.stopped).any()
   stop1 = int(ref[1, 2])
   first = list(ref[1]).index(stop1)                   # first occurrence (<= 2)
-  gen = _generate(params, PROMPTS, max_new=[3, 8, 0], stops=[[-1, -1], [63, stop1], [-1, -1]],
-                  sc=greedy)
+  gen = _generate(params, PROMPTS, max_new=[3, 8, 0], sc=greedy,
+                  stops=[[-1] * 4, [63, stop1, -1, -1], [-1] * 4])
   lengths = np.asarray(gen.lengths)
   np.testing.assert_array_equal(lengths, [3, first + 1, 0])
   np.testing.assert_array_equal(gen.stopped, [False, True, False])
@@ -229,27 +242,27 @@ def test_sampled_logprobs_match_a_full_forward(params):
 
 
 def test_no_recompilation_across_calls(params, monkeypatch):
-  """Prompt contents, prompt lengths within a bucket, sampling knobs, stop tokens and per-row
-  limits are all data: one trace serves every call below."""
-  chex.clear_trace_counter()
-  counted = jax.jit(chex.assert_max_traces(sampler.generate.__wrapped__, n=1),
-                    static_argnames=("cfg", "max_new_tokens", "pad_id"))
-  monkeypatch.setattr(sampler, "generate", counted)
+  """Prompt contents, prompt lengths within a bucket, sampling knobs, stop tokens (their number
+  too) and per-row limits are all data: one trace serves every call below."""
+  # (The trace counter is not cleared: GENERATE may already have been traced by the tests above,
+  # and any further trace, here or there, is an error.)
+  monkeypatch.setattr(sampler, "generate", GENERATE)
   policy = Policy(config=CFG, params=params, tokenizer=None)
   calls = [
-      dict(prompts=[[1, 2, 3], [4, 5]], max_new_tokens=5),
-      dict(prompts=[[9] * 9, [4]], max_new_tokens=7, temperature=0.0, seed=1, stop_tokens=(3,)),
-      dict(prompts=[[7] * 16, [2] * 10], max_new_tokens=8, temperature=0.5, top_k=5, top_p=0.9,
-           seed=2, stop_tokens=(3, 4, 5)),
-      dict(prompts=[[8, 1], [6] * 11], max_new_tokens=6, temperature=1.3, top_p=0.5,
+      dict(prompts=[[1, 2, 3], [4, 5], [6]], max_new_tokens=5),
+      dict(prompts=[[9] * 9, [4], [1, 2]], max_new_tokens=7, temperature=0.0, seed=1,
+           stop_tokens=(3,)),
+      dict(prompts=[[7] * 16, [2] * 10, [3] * 12], max_new_tokens=8, temperature=0.5, top_k=5,
+           top_p=0.9, seed=2, stop_tokens=(3, 4, 5)),
+      dict(prompts=[[8, 1], [6] * 11, [5] * 3], max_new_tokens=6, temperature=1.3, top_p=0.5,
            stop_tokens=(60, 61)),
   ]
   for kw in calls:
     outs = policy.generate(**kw)
-    assert len(outs) == 2 and all(len(o) <= kw["max_new_tokens"] for o in outs)
-  # Per-row limits and stop ids straight through the sampler (same shapes as the calls above:
-  # prompts padded to 16, 8 new tokens, 4 stop-id slots).
-  for max_new, stops in [([1, 8], [[3, -1, -1, -1], [-1] * 4]), ([8, 0], [[-1] * 4, [2, 9, 4, 1]])]:
-    _generate(params, [[1, 2], [3]], max_new=max_new, stops=stops, width=16,
+    assert len(outs) == 3 and all(1 <= len(o) <= kw["max_new_tokens"] for o in outs)
+  # Per-row limits and stop ids straight through the sampler.
+  for max_new, stops in [([1, 8, 2], [[3, -1, -1, -1], [-1] * 4, [-1] * 4]),
+                         ([8, 0, 8], [[-1] * 4, [2, 9, 4, 1], [7, 7, -1, -1]])]:
+    _generate(params, [[1, 2], [3], [4, 5, 6]], max_new=max_new, stops=stops,
               sc=SamplingConfig.make(0.9, top_k=3))
-  assert counted._cache_size() == 1
+  assert GENERATE._cache_size() == 1
