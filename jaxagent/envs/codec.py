@@ -115,6 +115,14 @@ def byte_table(strings: Sequence[str]) -> ByteTable:
   return ByteTable(data=data, lengths=np.asarray([len(e) for e in enc], np.int32))
 
 
+def cumsum(x: jax.Array) -> jax.Array:
+  """Inclusive cumulative sum of a short 1-D int vector as one masked reduction ([n, n]); XLA:CPU
+  compiles it much faster than `jnp.cumsum` (a chain of reduce-windows) and n is small here."""
+  n = x.shape[0]
+  lower = np.tril(np.ones((n, n), bool))
+  return jnp.sum(jnp.where(lower, x[None, :], 0), axis=1).astype(x.dtype)
+
+
 def mask_piece(piece: Piece, keep: jax.Array) -> Piece:
   """The piece, or an empty one where `keep` is False (jittable; keep may be traced)."""
   return piece.replace(length=jnp.where(keep, jnp.asarray(piece.length, jnp.int32), 0))
@@ -139,7 +147,7 @@ def concat(pieces: Sequence[Piece], out_len: int | None = None, pad_id: int = 0)
   lens = jnp.stack([jnp.clip(jnp.asarray(p.length, jnp.int32), 0, c) for p, c in zip(pieces, caps)])
   flat = jnp.concatenate(toks)                                   # [sum n_k]
   flat_start = jnp.asarray(np.cumsum([0] + caps[:-1]), jnp.int32)  # [K]
-  ends = jnp.cumsum(lens)                                        # [K]
+  ends = cumsum(lens)                                            # [K]
   starts = ends - lens
   pos = jnp.arange(n, dtype=jnp.int32)
   k = jnp.minimum(jnp.searchsorted(ends, pos, side="right", method="compare_all"), len(toks) - 1)
@@ -235,7 +243,7 @@ class TextCodec:
     tc = jnp.clip(t, 0, self.vocab_size - 1)
     nb = jnp.where(in_vocab, jnp.asarray(self.token_nbytes)[tc], 1)
     nb = jnp.where(jnp.arange(n) < buf.length, nb, 0)             # [N]
-    ends = jnp.cumsum(nb)
+    ends = cumsum(nb)
     pos = jnp.arange(m, dtype=jnp.int32)
     k = jnp.minimum(jnp.searchsorted(ends, pos, side="right", method="compare_all"), n - 1)
     j = jnp.clip(pos - (ends[k] - nb[k]), 0, table.shape[1] - 1)

@@ -34,7 +34,7 @@ import numpy as np
 from flax import struct
 
 from jaxagent.envs.base import ErrorKind, StepInfo, TokenBuffer
-from jaxagent.envs.codec import ByteTable, Piece, TextCodec, concat, mask_piece
+from jaxagent.envs.codec import ByteTable, Piece, TextCodec, concat, cumsum, mask_piece
 
 MAX_INT_DIGITS = 9  # parse_uint's limit: 999_999_999 fits int32
 
@@ -83,7 +83,7 @@ def parse_call(data: jax.Array, nbytes: jax.Array, tools: ByteTable, max_args: i
 
   inside = (idx > open_) & (idx < last)
   comma = inside & (b == ord(","))
-  arg_id = jnp.cumsum(comma) - comma                               # commas before each byte
+  arg_id = cumsum(comma.astype(jnp.int32)) - comma                              # commas before each byte
   num_args = jnp.where(jnp.any(inside & ~ws), comma.sum() + 1, 0).astype(jnp.int32)
   k = jnp.arange(max_args, dtype=jnp.int32)[:, None]
   in_arg = inside[None, :] & ~comma[None, :] & ~ws[None, :] & (arg_id[None, :] == k)  # [A, M]

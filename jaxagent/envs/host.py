@@ -1,0 +1,251 @@
+"""Host (plain Python) environments: the JAX env contract for tools that cannot be JAX.
+
+A search index, a code sandbox or any other Python tool plugs in as a `HostEpisode`: one object
+per episode, text in, text out. `HostEnv` batches episodes and speaks the same contract as the
+JAX-native environments, on numpy arrays:
+
+    env = HostLookupEnv(codec, hops=2)                    # or HostEnv(codec, make_episode, ...)
+    state, obs = env.reset(tasks, budget)                 # tasks: a task pytree, leading dim B
+    state, obs, info = env.step(state, action)            # action: TokenBuffer, tokens [B, A]
+    action = env.oracle_action(state)                     # TokenBuffer [B, A]
+
+`obs` is a numpy `TokenBuffer` (tokens [B, max_obs_len] int32, length [B]) and `info` a numpy
+`StepInfo` ([B] each), so the rollout engine runs jitted generation, hands the sampled actions to
+`step` on the host between turns, and gets the same types back as from `jit(vmap(env.step))`.
+
+What the adapter (`HostEnv`) does, the same way as the JAX environments (`common.py`):
+  * action tokens -> bytes with the codec's table; more than `max_action_bytes` bytes, bytes that
+    are not printable ASCII / whitespace, or text outside the call grammar are a parse error;
+    otherwise the episode gets the parsed call (`parse_call_text`, the Python twin of
+    `common.parse_call`);
+  * the episode returns its observation body as a list of text *pieces*; the adapter tokenises
+    each piece on its own (`codec.encode`, cached) and concatenates, adds the budget suffix
+    ("\\nTurns left: k.") and the chat wrapping, and pads to `max_obs_len`. A host tool whose pieces
+    are a JAX env's fragments therefore gives token-identical observations (`HostLookupEnv` does,
+    and the tests check it against `LookupEnv`);
+  * counting turns, ending the episode when a visible budget is spent, and no-op steps after done.
+
+A `HostEpisode` provides:
+  optimal_turns: int
+  prompt() -> (system_pieces: list[str], user_pieces: list[str])   the first observation's texts
+  act(call: HostCall | None) -> Outcome    execute one action (None: the action did not parse)
+  oracle() -> list[str]                    the expert's next action, as text pieces
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Any, Callable, Protocol
+
+import jax
+import numpy as np
+
+from jaxagent.envs import common, lookup
+from jaxagent.envs.base import ErrorKind, StepInfo, TokenBuffer
+from jaxagent.envs.codec import TextCodec, concat_host
+
+_WS = " \t\n\r"
+_NAME = re.compile(r"[A-Za-z0-9_]+")
+
+
+@dataclasses.dataclass
+class HostCall:
+  """A parsed action `name(arg, ...)` (arguments stripped of spaces and one pair of quotes)."""
+  name: str
+  args: list[str]
+
+
+def parse_call_text(data: bytes, max_bytes: int) -> HostCall | None:
+  """Python twin of `common.parse_call` (same grammar; see common.py): the call, or None."""
+  if len(data) > max_bytes or any(not (32 <= b <= 126 or b in b" \t\n\r") for b in data):
+    return None
+  s = data.decode("ascii").strip(_WS)
+  if s.count("(") != 1 or s.count(")") != 1 or not s.endswith(")"):
+    return None
+  name, rest = s.split("(", 1)
+  name = name.rstrip(_WS)
+  if not _NAME.fullmatch(name):
+    return None
+  inner = rest[:-1]
+  if inner.strip(_WS) == "":
+    return HostCall(name, [])
+  args = []
+  for a in inner.split(","):
+    a = a.strip(_WS)
+    if len(a) >= 2 and a[0] == a[-1] and a[0] in "\"'":
+      a = a[1:-1]
+    args.append(a)
+  return HostCall(name, args)
+
+
+@dataclasses.dataclass
+class Outcome:
+  """What one action did: the observation body (text pieces) and the step's flags."""
+  body: list[str]
+  error_kind: ErrorKind = ErrorKind.NONE
+  solved: bool = False
+  final_answer: bool = False   # the action ended the episode (a right or wrong final answer)
+  oracle_match: bool = False
+
+
+class HostEpisode(Protocol):
+  optimal_turns: int
+  def prompt(self) -> tuple[list[str], list[str]]: ...
+  def act(self, call: HostCall | None) -> Outcome: ...
+  def oracle(self) -> list[str]: ...
+
+
+@dataclasses.dataclass
+class HostState:
+  episodes: list            # B HostEpisode objects (mutable, owned by this state)
+  turn: np.ndarray          # [B] int32
+  budget: np.ndarray        # [B] int32, -1 hidden
+  done: np.ndarray          # [B] bool
+
+
+class HostEnv:
+  """Batches `HostEpisode`s behind the environment contract (see the module docstring)."""
+
+  def __init__(self, codec: TextCodec, make_episode: Callable[[Any], HostEpisode], *,
+               max_obs_len: int, max_action_len: int, max_action_bytes: int, name: str = "host"):
+    self.codec, self.make_episode, self.name = codec, make_episode, name
+    self.max_obs_len, self.max_action_len, self.max_action_bytes = max_obs_len, max_action_len, max_action_bytes
+
+  def _frags(self, texts: list[str]) -> list[np.ndarray]:
+    return [self.codec.encode(t) for t in texts]
+
+  def _pad(self, rows: list[np.ndarray], n: int) -> TokenBuffer:
+    tokens = np.full((len(rows), n), self.codec.pad_id, np.int32)
+    lengths = np.zeros((len(rows),), np.int32)
+    for i, r in enumerate(rows):
+      r = r[:n]
+      tokens[i, :len(r)] = r
+      lengths[i] = len(r)
+    return TokenBuffer(tokens=tokens, length=lengths)
+
+  def reset(self, tasks: Any, budget: np.ndarray | int = -1) -> tuple[HostState, TokenBuffer]:
+    """Starts B episodes from a task pytree with leading dim B. Returns (state, obs [B, N])."""
+    tasks = jax.tree.map(np.asarray, tasks)
+    b = jax.tree.leaves(tasks)[0].shape[0]
+    budget = np.broadcast_to(np.asarray(budget, np.int32), (b,)).copy()
+    episodes = [self.make_episode(jax.tree.map(lambda x, i=i: x[i], tasks)) for i in range(b)]
+    rows = []
+    for ep, bud in zip(episodes, budget):
+      system, user = ep.prompt()
+      user_tokens = self._frags(user) + common.budget_intro_host(self.codec, int(bud))
+      rows.append(concat_host(self.codec.prompt(
+          [self.codec.fragment(t) for t in system], [TokenBuffer(u, np.int32(len(u))) for u in user_tokens])))
+    state = HostState(episodes=episodes, turn=np.zeros((b,), np.int32), budget=budget,
+                      done=np.zeros((b,), bool))
+    return state, self._pad(rows, self.max_obs_len)
+
+  def step(self, state: HostState, action: TokenBuffer) -> tuple[HostState, TokenBuffer, StepInfo]:
+    """Executes one action per episode (tokens [B, A], length [B]); no-op for done episodes."""
+    tokens, lengths = np.asarray(action.tokens), np.asarray(action.length)
+    b = len(state.episodes)
+    info = {k: np.zeros((b,), t) for k, t in [("reward", np.float32), ("done", bool), ("solved", bool),
+                                               ("final_answer", bool), ("valid_call", bool),
+                                               ("error_kind", np.int32), ("oracle_match", bool),
+                                               ("optimal_turns", np.int32)]}
+    turn, done, rows = state.turn.copy(), state.done.copy(), []
+    for i, ep in enumerate(state.episodes):
+      info["optimal_turns"][i] = ep.optimal_turns
+      if state.done[i]:
+        info["done"][i] = True
+        rows.append(np.zeros((0,), np.int32))
+        continue
+      data = self.codec.decode_bytes(tokens[i, :lengths[i]])
+      out = ep.act(parse_call_text(data, self.max_action_bytes))
+      turn[i] += 1
+      spent = state.budget[i] >= 0 and turn[i] >= state.budget[i]
+      done[i] = out.final_answer or spent
+      body = self._frags(out.body) + common.budget_suffix_host(self.codec, int(state.budget[i]), int(turn[i]))
+      rows.append(concat_host(self.codec.observation([TokenBuffer(t, np.int32(len(t))) for t in body])))
+      info["reward"][i] = float(out.solved)
+      info["done"][i] = done[i]
+      info["solved"][i] = out.solved
+      info["final_answer"][i] = out.final_answer
+      info["error_kind"][i] = int(out.error_kind)
+      info["valid_call"][i] = out.error_kind in (ErrorKind.NONE, ErrorKind.WRONG_ANSWER)
+      info["oracle_match"][i] = out.oracle_match
+    new_state = HostState(episodes=state.episodes, turn=turn, budget=state.budget, done=done)
+    return new_state, self._pad(rows, self.max_obs_len), StepInfo(**info)
+
+  def oracle_action(self, state: HostState) -> TokenBuffer:
+    """The expert's next action of every episode, tokenised piece by piece: tokens [B, A]."""
+    return self._pad([concat_host(self._frags(ep.oracle())) for ep in state.episodes], self.max_action_len)
+
+
+# ---- the example tool: lookup over a Python dict knowledge base ------------------------------
+
+
+class HostLookupEpisode:
+  """`lookup` (envs/lookup.py) as a plain-Python tool over a dict knowledge base built from the
+  same `LookupTask` arrays; its texts match `LookupEnv`'s piece for piece."""
+
+  def __init__(self, task: lookup.LookupTask, hops: int):
+    self.names = [lookup.ENTITY_NAMES[i] for i in task.entities]
+    self.relations = [lookup.RELATION_NAMES[j] for j in task.relations]
+    self.kb = {(self.names[e], self.relations[r]): self.names[t]
+               for (e, r), t in np.ndenumerate(task.link) if t >= 0}
+    self.chain = [(self.names[i], self.relations[task.path[i]]) for i in range(hops)]
+    self.answer = self.names[hops]
+    self.hops, self.optimal_turns, self.progress = hops, hops + 1, 0
+
+  def prompt(self):
+    system = [lookup.SYSTEM_TEXT]
+    for j, r in enumerate(self.relations):
+      system += [r, ", " if j < len(self.relations) - 1 else "."]
+    user = ["Question: what is the "]
+    for i in reversed(range(self.hops)):
+      user += [self.chain[i][1], " of the " if i > 0 else " of "]
+    return system, user + [self.names[0], "?"]
+
+  def act(self, call: HostCall | None) -> Outcome:
+    m, err = lookup.MESSAGES, ErrorKind
+    if call is None:
+      return Outcome(["Error: ", m[lookup.PARSE]], err.PARSE_ERROR)
+    if call.name not in lookup.TOOLS:
+      return Outcome(["Error: ", m[lookup.UNKNOWN_TOOL]], err.UNKNOWN_TOOL)
+    a = call.args
+    if call.name == "lookup":
+      if len(a) != 2:
+        return Outcome(["Error: ", m[lookup.LOOKUP_ARITY]], err.BAD_ARGUMENTS)
+      if a[0] not in self.names:
+        return Outcome(["Error: ", m[lookup.UNKNOWN_ENTITY]], err.BAD_ARGUMENTS)
+      if a[1] not in self.relations:
+        return Outcome(["Error: ", m[lookup.UNKNOWN_RELATION]], err.BAD_ARGUMENTS)
+      if (a[0], a[1]) not in self.kb:
+        return Outcome(["Error: ", a[0], " has no ", a[1], "."], err.TOOL_FAILURE)
+      on_chain = self.progress < self.hops and (a[0], a[1]) == self.chain[self.progress]
+      self.progress += on_chain
+      return Outcome(["The ", a[1], " of ", a[0], " is ", self.kb[a[0], a[1]], "."], oracle_match=on_chain)
+    if len(a) != 1:
+      return Outcome(["Error: ", m[lookup.ANSWER_ARITY]], err.BAD_ARGUMENTS)
+    if a[0] == self.answer:
+      return Outcome([m[lookup.CORRECT]], solved=True, final_answer=True,
+                     oracle_match=self.progress == self.hops)
+    return Outcome([m[lookup.WRONG]], err.WRONG_ANSWER, final_answer=True)
+
+  def oracle(self):
+    if self.progress < self.hops:
+      e, r = self.chain[self.progress]
+      return ["lookup(", e, ", ", r, ")"]
+    return ["answer(", self.answer, ")"]
+
+
+class HostLookupEnv(HostEnv):
+  """`lookup` on the host path. Same knobs as `LookupEnv`; `jax_env` samples the tasks and fixes
+  the buffer sizes, so both paths take the same task arrays and give the same tokens."""
+
+  def __init__(self, codec: TextCodec, **knobs):
+    self.jax_env = lookup.LookupEnv(codec, **knobs)
+    hops = self.jax_env.hops
+    super().__init__(codec, lambda task: HostLookupEpisode(task, hops),
+                     max_obs_len=self.jax_env.max_obs_len, max_action_len=self.jax_env.max_action_len,
+                     max_action_bytes=self.jax_env.max_action_bytes, name="host_lookup")
+
+  def sample_tasks(self, key: jax.Array, batch: int) -> lookup.LookupTask:
+    """B tasks from the JAX env's sampler, as numpy."""
+    return jax.tree.map(np.asarray, jax.vmap(self.jax_env.sample_task)(jax.random.split(key, batch)))
