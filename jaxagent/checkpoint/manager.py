@@ -196,6 +196,18 @@ def _leaf_paths(tree: PyTree) -> list[tuple[str, ...]]:
           for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
 
 
+def _check_placed(abstract: PyTree, what: str) -> None:
+  """Every `ShapeDtypeStruct` leaf must say where it goes (orbax would return numpy otherwise)."""
+  unplaced = [jax.tree_util.keystr(path)
+              for path, leaf in jax.tree_util.tree_flatten_with_path(abstract)[0]
+              if isinstance(leaf, jax.ShapeDtypeStruct) and leaf.sharding is None]
+  if unplaced:
+    raise ValueError(
+        f"{what}: leaves {unplaced[:5]}{' ...' if len(unplaced) > 5 else ''} are "
+        "ShapeDtypeStructs without a sharding; attach one, e.g. jax.ShapeDtypeStruct(shape, "
+        "dtype, sharding=NamedSharding(mesh, P())) for a replicated leaf")
+
+
 def _pytree_restore(target: PyTree, partial: bool = False) -> ocp.args.PyTreeRestore:
   """Restore args placing every leaf as its abstract leaf (`ShapeDtypeStruct.sharding`) says."""
   return ocp.args.PyTreeRestore(
@@ -361,15 +373,18 @@ class Checkpointer:
     """Restores the full state of `step` (default: the latest) onto the given shardings.
 
     Args:
-      abstract_state: the state's structure with a `jax.ShapeDtypeStruct` (with `.sharding`) or
-        an array at every leaf, e.g. `jax.eval_shape(init_state)` with shardings attached. The
-        mesh may differ from the one the checkpoint was saved with.
+      abstract_state: the state's structure with a `jax.ShapeDtypeStruct` carrying a
+        `.sharding` at every array leaf, e.g. `jax.eval_shape(init_state)` with shardings
+        attached (a Python scalar leaf restores as a Python scalar). The mesh may differ from
+        the one the checkpoint was saved with.
     Returns:
       the state, each leaf placed as its abstract leaf says; PRNG keys typed again.
     Raises:
       FileNotFoundError: no such checkpoint (the message lists what exists).
+      ValueError: an abstract leaf has no sharding.
       CheckpointMismatchError: the saved state has another structure or shapes.
     """
+    _check_placed(abstract_state, "abstract_state")
     step = self._resolve_step(step)
     impls = self._prng_impls(step)
     target = _abstract_keys_to_data(abstract_state)
@@ -397,6 +412,7 @@ class Checkpointer:
     if not key_path or not all(isinstance(k, str) for k in key_path):
       raise TypeError(f"key_path={key_path!r}: give the dict keys from the state's root to the "
                       "params, e.g. ('params',)")
+    _check_placed(abstract_params, "abstract_params")
     step = self._resolve_step(step)
     self._check_subtree(step, key_path, abstract_params)
     # A target holding only the subtree; partial_restore reads nothing else.

@@ -101,6 +101,21 @@ def test_round_trip_exact(tmp_path):
   ckpt.close()
 
 
+def test_python_scalars_and_reader_reload(tmp_path):
+  dev = SingleDeviceSharding(jax.devices()[0])
+  writer = Checkpointer(tmp_path, max_to_keep=5, save_interval_steps=1, async_save=False)
+  writer.save(1, {"epoch": 2, "lr": 0.5, "w": jnp.arange(3)}, {})
+  reader = Checkpointer.reader(tmp_path)
+  out = reader.restore(abstract_state={
+      "epoch": 0, "lr": 0.0, "w": jax.ShapeDtypeStruct((3,), jnp.int32, sharding=dev)})
+  assert out["epoch"] == 2 and type(out["epoch"]) is int and out["lr"] == 0.5
+  np.testing.assert_array_equal(out["w"], [0, 1, 2])
+  writer.save(2, {"epoch": 3, "lr": 0.25, "w": jnp.arange(3)}, {})
+  assert reader.latest_step() == 1                  # a reader's list is a snapshot ...
+  reader.reload()
+  assert reader.latest_step() == 2                  # ... refreshed on demand (eval polling)
+
+
 @pytest.mark.parametrize("target", ["fsdp2_tensor4", "single_device"])
 def test_restore_onto_another_mesh(tmp_path, target):
   state = make_state(make_mesh())                      # saved with params on an 8-way fsdp mesh
@@ -246,6 +261,8 @@ def test_user_errors(tmp_path):
   with pytest.raises(CheckpointMismatchError, match="new --workdir"):
     ckpt.restore(1, abstract_state={"w": jax.ShapeDtypeStruct((2,), jnp.float32, sharding=dev),
                                     "extra": jax.ShapeDtypeStruct((), jnp.int32, sharding=dev)})
+  with pytest.raises(ValueError, match=r"\['w'\].*without a sharding.*NamedSharding"):
+    ckpt.restore(1, abstract_state={"w": jax.ShapeDtypeStruct((2,), jnp.float32)})
   with pytest.raises(PermissionError, match="read-only"):
     Checkpointer.reader(tmp_path).save(2, {"w": jnp.ones(2)}, {})
   with pytest.raises(FileNotFoundError, match="--workdir"):
