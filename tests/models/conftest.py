@@ -2,7 +2,9 @@
 
 `hf_checkpoint(name)` saves (once per session) a tiny randomly initialised PyTorch model of one
 family with `save_pretrained` (safetensors) plus the built-in tokenizer, and returns
-`HFCheckpoint(path, model)`; `model` is the PyTorch reference in float32 eval mode.
+`HFCheckpoint(path, model)`; `model` is the PyTorch reference in float32 eval mode. Family names:
+"qwen2_tied", "qwen3_untied", "llama3_untied" (see FAMILIES). Test modules use the fixtures only
+(`import conftest` would depend on which conftest pytest imported last).
 """
 
 from __future__ import annotations
@@ -11,7 +13,6 @@ import dataclasses
 import pathlib
 from typing import Any
 
-import numpy as np
 import pytest
 
 # vocab_size = 720 = len(builtin tokenizer); GQA everywhere (4 query heads, 2 kv heads).
@@ -36,16 +37,6 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
 class HFCheckpoint:
   path: pathlib.Path
   model: Any   # transformers *ForCausalLM, float32, eval mode
-
-  def logits(self, tokens, attention_mask=None, position_ids=None) -> np.ndarray:
-    import torch
-    kw = {}
-    if attention_mask is not None:
-      kw["attention_mask"] = torch.tensor(np.asarray(attention_mask), dtype=torch.long)
-    if position_ids is not None:
-      kw["position_ids"] = torch.tensor(np.asarray(position_ids), dtype=torch.long)
-    with torch.no_grad():
-      return self.model(torch.tensor(np.asarray(tokens), dtype=torch.long), **kw).logits.numpy()
 
 
 def make_torch_model(name: str, seed: int = 0):

@@ -11,10 +11,17 @@ import pytest
 
 from jaxagent.models import from_pretrained
 from jaxagent.models import hf_io
-from conftest import FAMILIES
 
-FAMILY_NAMES = list(FAMILIES)
+FAMILY_NAMES = ["qwen2_tied", "qwen3_untied", "llama3_untied"]   # see conftest.FAMILIES
 TOL_F32 = 1e-4
+
+
+def _torch_logits(model, tokens, attention_mask=None, position_ids=None) -> np.ndarray:
+  import torch
+  as_long = lambda x: None if x is None else torch.tensor(np.asarray(x), dtype=torch.long)
+  with torch.no_grad():
+    return model(as_long(tokens), attention_mask=as_long(attention_mask),
+                 position_ids=as_long(position_ids)).logits.float().numpy()
 
 
 def _padded_batch(seed: int = 0):
@@ -28,9 +35,9 @@ def _padded_batch(seed: int = 0):
   return tokens, mask
 
 
-def _reference_rowwise(ckpt, tokens, mask) -> list[np.ndarray]:
+def _reference_rowwise(model, tokens, mask) -> list[np.ndarray]:
   """transformers logits of each row's real tokens alone (no padding anywhere)."""
-  return [ckpt.logits(tokens[b][mask[b] == 1][None])[0] for b in range(tokens.shape[0])]
+  return [_torch_logits(model, tokens[b][mask[b] == 1][None])[0] for b in range(tokens.shape[0])]
 
 
 def _max_diff_real(ours, refs, mask) -> float:
@@ -49,11 +56,11 @@ def test_logits_match_transformers_with_left_and_right_padding(name, hf_checkpoi
   tokens, mask = _padded_batch()
   ours = policy.forward(tokens, mask)
   assert ours.shape == (3, 12, 720) and ours.dtype == np.float32
-  refs = _reference_rowwise(ckpt, tokens, mask)
+  refs = _reference_rowwise(ckpt.model, tokens, mask)
   assert _max_diff_real(ours, refs, mask) < TOL_F32
   # Padded batch through transformers too (explicit positions counting real tokens only).
   pos = np.maximum(np.cumsum(mask, axis=1) - 1, 0)
-  ref_batch = ckpt.logits(tokens, attention_mask=mask, position_ids=pos)
+  ref_batch = _torch_logits(ckpt.model, tokens, attention_mask=mask, position_ids=pos)
   assert np.abs((np.asarray(ours) - ref_batch)[mask == 1]).max() < TOL_F32
   # Without a mask every token is real: row 0 (unpadded) is unchanged.
   unmasked = np.asarray(policy.forward(tokens))
@@ -80,7 +87,7 @@ def test_sharded_transformers_checkpoint_loads(hf_checkpoint, loaded_policy):
   single = loaded_policy(name)
   jax.tree.map(np.testing.assert_array_equal, policy.params, single.params)
   tokens, mask = _padded_batch(1)
-  refs = _reference_rowwise(ckpt, tokens, mask)
+  refs = _reference_rowwise(ckpt.model, tokens, mask)
   assert _max_diff_real(policy.forward(tokens, mask), refs, mask) < TOL_F32
 
 
@@ -179,8 +186,7 @@ def test_bfloat16_export_and_import(hf_checkpoint, loaded_policy, tmp_path):
   ours32 = from_pretrained(out, dtype="float32")
   assert all(x.dtype == np.float32 for x in jax.tree.leaves(ours32.params))
   hf_f32 = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
-  from conftest import HFCheckpoint
-  refs_rounded = _reference_rowwise(HFCheckpoint(out, hf_f32), tokens, mask)
+  refs_rounded = _reference_rowwise(hf_f32, tokens, mask)
   assert _max_diff_real(ours32.forward(tokens, mask), refs_rounded, mask) < TOL_F32
 
   # Imported as bf16 (params and compute): close to the float32 model at bf16 precision.
@@ -188,6 +194,6 @@ def test_bfloat16_export_and_import(hf_checkpoint, loaded_policy, tmp_path):
   assert all(x.dtype == jax.numpy.bfloat16 for x in jax.tree.leaves(ours16.params))
   logits16 = ours16.forward(tokens, mask)
   assert logits16.dtype == np.float32
-  refs = _reference_rowwise(ckpt, tokens, mask)
+  refs = _reference_rowwise(ckpt.model, tokens, mask)
   scale = max(float(np.abs(r).max()) for r in refs)
   assert _max_diff_real(logits16, refs, mask) < 0.05 * scale
