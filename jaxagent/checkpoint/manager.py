@@ -3,7 +3,7 @@
 One checkpoint per step directory, holding three orbax items:
 
     <workdir>/<step>/state/      the train-state pytree (params, optimizer state, step, RNG, ...)
-    <workdir>/<step>/meta/       a JSON dict (data position, seeds, phase, model fingerprint, config)
+    <workdir>/<step>/meta/       JSON dict: data position, seeds, phase, model fingerprint, config
     <workdir>/<step>/prng_keys/  JSON {leaf path: PRNG impl name} for typed PRNG-key leaves
 
     ckpt = Checkpointer(workdir, max_to_keep=3, save_interval_steps=100)
@@ -34,7 +34,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import logging
 import os
 from typing import Any, Mapping, Sequence
 
@@ -42,8 +41,6 @@ import jax
 import orbax.checkpoint as ocp
 from etils import epath
 from jax.sharding import NamedSharding, SingleDeviceSharding
-
-log = logging.getLogger(__name__)
 
 PyTree = Any
 
@@ -246,8 +243,7 @@ class Checkpointer:
     policies = ocp.checkpoint_managers
     options = ocp.CheckpointManagerOptions(
         save_decision_policy=policies.FixedIntervalPolicy(save_interval_steps),
-        preservation_policy=(policies.LatestN(n=max_to_keep) if max_to_keep is not None
-                             else policies.LatestN(n=None)),
+        preservation_policy=policies.LatestN(n=max_to_keep),   # None: keep all
         enable_async_checkpointing=async_save,
         # A writer owns the directory, so tmp dirs left by a dead writer are garbage; a reader
         # must not touch them (the writer may be alive).
@@ -292,7 +288,8 @@ class Checkpointer:
 
     Writes only when `step % save_interval_steps == 0` or `force` (the preemption save), and
     never twice for one step. The arrays are copied to host memory before this returns, so the
-    caller may donate or overwrite them afterwards.
+    caller may donate or overwrite them afterwards. Put `model_fingerprint(model_config)` in
+    `meta[FINGERPRINT_KEY]` so that `check_compatible` can guard a reused workdir.
 
     Returns:
       whether a checkpoint was started.
