@@ -40,7 +40,9 @@ WRITER = textwrap.dedent("""
     atomicity.AtomicRenameTemporaryPath.finalize = never_commit
     atomicity.CommitFileTemporaryPath.finalize = never_commit
     ckpt.save(2, {"w": jnp.full((4,), 2.0), "step": jnp.int32(2)}, {"step": 2})
-    time.sleep(3600)
+    time.sleep(60)                          # killed long before, unless the patch missed
+    print("FINALIZE_NOT_REACHED", flush=True)
+    sys.exit(1)
 """)
 
 
