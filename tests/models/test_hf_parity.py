@@ -137,6 +137,10 @@ def test_save_pretrained_round_trip(name, hf_checkpoint, loaded_policy, tmp_path
   assert sorted(got) == sorted(want)
   for k in want:
     np.testing.assert_array_equal(got[k], want[k], err_msg=k)
+  # Same logits too, so the exported config.json (rope theta/scaling, head_dim, eps, tying) is
+  # read by transformers as the original was.
+  tokens, _ = _padded_batch(4)
+  np.testing.assert_array_equal(_torch_logits(reloaded, tokens), _torch_logits(ckpt.model, tokens))
   tok = AutoTokenizer.from_pretrained(str(out))
   assert tok("hello world")["input_ids"] == policy.tokenizer("hello world")["input_ids"]
   # And back into jaxagent: identical parameters.
@@ -159,6 +163,9 @@ def test_sharded_export_round_trip(hf_checkpoint, loaded_policy, tmp_path):
   want, got = _torch_state(hf_checkpoint(name).model), _torch_state(reloaded)
   for k in want:
     np.testing.assert_array_equal(got[k], want[k], err_msg=k)
+  tokens, _ = _padded_batch(5)
+  np.testing.assert_array_equal(_torch_logits(reloaded, tokens),
+                                _torch_logits(hf_checkpoint(name).model, tokens))
   again = from_pretrained(out)
   jax.tree.map(np.testing.assert_array_equal, again.params, policy.params)
 
