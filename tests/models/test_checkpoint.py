@@ -6,7 +6,6 @@ import json
 import pathlib
 import shutil
 
-import jax
 import numpy as np
 import pytest
 

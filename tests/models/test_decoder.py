@@ -3,7 +3,7 @@ not change a row's result, and the parameter tree is consistent with its metadat
 
 from __future__ import annotations
 
-import functools
+import dataclasses
 import math
 
 import jax
@@ -57,11 +57,10 @@ def test_param_tree_matches_metadata(params):
 
 
 def test_rope_frequencies_by_hand():
-  base = dict((f.name, getattr(CFG, f.name)) for f in CFG.__dataclass_fields__.values())
-  plain = ModelConfig(**{**base, "rope_scaling": ()})
+  plain = dataclasses.replace(CFG, rope_scaling=())
   want = 1.0 / 10000.0 ** (np.arange(0, 8, 2) / 8)               # [1, 0.1, 0.01, 0.001]
   np.testing.assert_allclose(plain.rope_inv_freq(), want, rtol=1e-6)
-  linear = ModelConfig(**{**base, "rope_scaling": (("factor", 2.0), ("rope_type", "linear"))})
+  linear = dataclasses.replace(CFG, rope_scaling=(("factor", 2.0), ("rope_type", "linear")))
   np.testing.assert_allclose(linear.rope_inv_freq(), want / 2, rtol=1e-6)
   # llama3 with original context 8, factor 4: wavelengths 2*pi/f = [6.3, 63, 628, 6283]. Above
   # 8 / low_freq_factor = 8 they are divided by 4. Between 8 / high_freq_factor = 2 and 8 (only

@@ -3,7 +3,6 @@ log-probabilities, per-row stop tokens and limits, batch independence, and no re
 
 from __future__ import annotations
 
-import functools
 import math
 
 import chex
@@ -31,7 +30,8 @@ def _softmax(x):
 
 
 def _draw(sc: SamplingConfig, logits=LOGITS, seed=0):
-  tok, lp = sample(jax.random.key(seed), jnp.broadcast_to(jnp.asarray(logits), (N_DRAWS, len(logits))), sc)
+  logits_nv = jnp.broadcast_to(jnp.asarray(logits), (N_DRAWS, len(logits)))
+  tok, lp = sample(jax.random.key(seed), logits_nv, sc)
   return np.asarray(tok), np.asarray(lp)
 
 
@@ -134,7 +134,8 @@ def test_greedy_at_temperature_zero():
 def test_logprobs_are_log_softmax_over_temperature_at_the_sampled_token():
   logits = _random_logits(3, 2.0)
   for t, k, p in [(0.7, 0, 1.0), (1.3, 5, 1.0), (0.9, 0, 0.8)]:
-    tok, lp = sample(jax.random.key(4), jnp.asarray(logits), SamplingConfig.make(t, top_k=k, top_p=p))
+    sc = SamplingConfig.make(t, top_k=k, top_p=p)
+    tok, lp = sample(jax.random.key(4), jnp.asarray(logits), sc)
     want = np.asarray(jax.nn.log_softmax(logits / t, -1))[np.arange(N_DRAWS), np.asarray(tok)]
     np.testing.assert_allclose(lp, want, atol=1e-5)
 
