@@ -62,3 +62,18 @@ class Trajectory:
   @property
   def max_turns(self) -> int:
     return self.acted.shape[1]
+
+
+TOKEN_FIELDS = ("tokens", "positions", "loss_mask", "behaviour_logprobs", "turn_of_token")
+
+
+def trim(traj: Trajectory, multiple: int = 128) -> Trajectory:
+  """Cuts the token-level arrays to the longest transcript, rounded up to `multiple` (host side).
+
+  Rollouts reserve room for the longest possible turns; learning on the used prefix only saves
+  most of the scoring cost, and rounding keeps the number of compiled shapes small.
+  """
+  import numpy as np
+  used = int(np.asarray(traj.length).max())
+  keep = min(traj.tokens.shape[1], max(multiple, -(-used // multiple) * multiple))
+  return traj.replace(**{f: getattr(traj, f)[:, :keep] for f in TOKEN_FIELDS})

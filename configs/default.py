@@ -1,0 +1,150 @@
+"""The built-in CPU default: SFT a base policy from the built-in model on noisy-oracle
+demonstrations, then multi-turn RL on the same environment.
+
+    python -m launch.train --config=configs/default.py --workdir=workdirs/default
+    python -m launch.train --config=configs/default.py:smoke --workdir=/tmp/smoke   # seconds
+    python -m launch.train --config=configs/default.py:quick --workdir=/tmp/quick   # ~minutes
+
+Override any key from the command line, e.g. `--config.rl.budget=mix:2,4,8,12`.
+"""
+
+import ml_collections
+
+
+def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
+  variant = arg or "default"
+  if variant not in ("default", "quick", "smoke"):
+    raise ValueError(f"unknown variant {variant!r}; use default, quick or smoke")
+  c = ml_collections.ConfigDict()
+  # Seed of everything random in the run (data splits have their own seed in `data`).
+  c.seed = 0
+
+  c.model = ml_collections.ConfigDict()
+  # builtin:NAME or a local Hugging Face directory.
+  c.model.path = "builtin:tiny"
+  # Compute dtype (activations, KV cache); parameters use param_dtype.
+  c.model.dtype = "float32"
+  c.model.param_dtype = "float32"
+  # A workdir whose latest checkpoint's params initialise this run ("" = the model's weights).
+  c.model.init_from = ""
+
+  # Mesh axis sizes; -1 takes the remaining devices.
+  c.mesh = ml_collections.ConfigDict({"data": 1, "fsdp": -1, "tensor": 1})
+
+  c.env = ml_collections.ConfigDict()
+  # A name from jaxagent.envs.names().
+  c.env.name = "lookup"
+  # The family's difficulty knobs (see the environment's class docstring).
+  c.env.difficulty = ml_collections.ConfigDict({"hops": 2, "distractor_entities": 4})
+
+  c.data = ml_collections.ConfigDict()
+  # Where task splits and demonstrations are built ("" = <workdir>/data).
+  c.data.dir = ""
+  # Seed of the task splits (fixed, so every run evaluates on the same tasks).
+  c.data.seed = 0
+  c.data.num_train = 2048
+  c.data.num_validation = 128
+  c.data.num_test = 256
+  # Demonstrations for SFT: noisy-oracle episodes on train tasks.
+  c.data.num_demos = 4096
+  c.data.demo_error_rate = 0.25
+  c.data.demo_recovery_rate = 0.6
+  c.data.demo_max_turns = 8
+
+  c.sft = ml_collections.ConfigDict()
+  # Optimizer steps of supervised training (0 skips the phase).
+  c.sft.steps = 400
+  c.sft.batch_size = 32
+  c.sft.learning_rate = 2e-3
+  c.sft.warmup_steps = 20
+  c.sft.weight_decay = 0.0
+  c.sft.max_grad_norm = 1.0
+
+  c.rl = ml_collections.ConfigDict()
+  # RL updates (0 skips the phase).
+  c.rl.steps = 100
+  # Tasks per batch and episodes per task (a GRPO group).
+  c.rl.num_tasks = 8
+  c.rl.group_size = 8
+  # Interaction budget spec (jaxagent.rollout.budget): fixed:T, mix:a,b,c, weighted:, schedule:.
+  c.rl.budget = "fixed:8"
+  # Draw the budget once per batch ("batch") or per task group ("group").
+  c.rl.budget_per = "batch"
+  # Tell the agent its budget and the turns left.
+  c.rl.budget_visible = False
+  # Sampling temperature of rollouts (log-probs use the same temperature).
+  c.rl.temperature = 1.0
+  # Tokens per turn, <eot> included (0 = the environment's max_action_len).
+  c.rl.max_action_tokens = 0
+  # Learner knobs (jaxagent.learners.update.LearnerConfig).
+  c.rl.learner = ml_collections.ConfigDict({
+      "advantage": "grpo", "normalize_std": True, "loss": "ppo_clip", "clip_eps_low": 0.2,
+      "clip_eps_high": 0.28, "aggregation": "token", "kl_coef": 0.0, "kl_estimator": "k3",
+      "entropy_coef": 0.0, "success_reward": 1.0, "invalid_call_penalty": 0.0,
+      "turn_cost": 0.0, "filter_equal_groups": False, "epochs": 1, "minibatches": 2,
+      "learning_rate": 2e-4, "warmup_steps": 5, "schedule": "constant", "weight_decay": 0.0,
+      "max_grad_norm": 1.0,
+  })
+
+  # Logging and checkpoints.
+  c.log_every = 1
+  c.checkpoint_every = 25
+  c.max_to_keep = 2
+  c.progress_bar = True
+
+  # Evaluation (jaxagent.eval.job; python -m launch.evaluate --config=... --workdir=DIR).
+  c.eval = ml_collections.ConfigDict()
+  # Episodes per test task: n of the Pass@(K,T) estimator (K = 1..n).
+  c.eval.num_samples = 8
+  # T_max: the largest budget evaluated (truncation mode cuts one T_max run at every T).
+  c.eval.max_turns = 8
+  # "truncation" (one run at T_max, budget hidden) or "rerun" (one run per T in rerun_budgets).
+  c.eval.mode = "truncation"
+  # Budgets of rerun mode, comma separated, each <= max_turns.
+  c.eval.rerun_budgets = "2,4,6,8"
+  # Rerun mode tells the agent its budget (set False to check it against truncation mode).
+  c.eval.rerun_budget_visible = True
+  # Temperature of evaluation rollouts and sampled next actions; likelihoods are scored at it.
+  c.eval.temperature = 1.0
+  # Tokens per turn, <eot> included (0 = the environment's max_action_len).
+  c.eval.max_action_tokens = 0
+  # Test tasks evaluated: the first N of the fixed test split (0 = all).
+  c.eval.num_tasks = 0
+  # Test tasks per rollout batch (x num_samples episodes); fixed, so one program is compiled.
+  c.eval.tasks_per_batch = 32
+  # Reference states per source (oracle prefixes, base prefixes, base error states): a seeded
+  # subset of at most this many (0 = all).
+  c.eval.max_reference_states = 512
+  # States per next-action batch, and trajectories per scoring batch.
+  c.eval.state_batch = 64
+  c.eval.score_batch = 32
+  # Bootstrap resamples and confidence level of every interval.
+  c.eval.num_bootstrap = 1000
+  c.eval.confidence = 0.95
+  # Seed of evaluation rollouts, sampled actions and subsets (same seed: same episodes).
+  c.eval.seed = 0
+  # Checkpoint phase to evaluate: "rl", "sft", or "" (every phase; the latest is the last phase
+  # holding a checkpoint).
+  c.eval.phase = ""
+  # Base policy: a workdir whose latest checkpoint is the base ("" = model.init_from, else this
+  # workdir's latest SFT checkpoint when evaluating RL, else the model's own weights).
+  c.eval.base_workdir = ""
+  # K values of the pass-vs-T curves (those <= num_samples are drawn).
+  c.eval.curve_ks = "1,2,4,8"
+
+  if variant == "quick":
+    c.data.num_train, c.data.num_test, c.data.num_demos = 512, 128, 1024
+    c.sft.steps, c.rl.steps, c.rl.num_tasks, c.rl.group_size = 150, 20, 4, 8
+    c.eval.max_reference_states, c.eval.num_bootstrap = 128, 500
+  elif variant == "smoke":
+    c.data.num_train, c.data.num_validation, c.data.num_test, c.data.num_demos = 64, 16, 16, 64
+    c.data.demo_max_turns = 4
+    c.sft.steps, c.sft.batch_size = 4, 8
+    c.rl.steps, c.rl.num_tasks, c.rl.group_size, c.rl.budget = 2, 2, 4, "mix:2,3"
+    c.checkpoint_every = 2
+    c.progress_bar = False
+    c.eval.num_samples, c.eval.max_turns, c.eval.rerun_budgets = 4, 4, "2,3,4"
+    c.eval.tasks_per_batch, c.eval.max_reference_states = 8, 24
+    c.eval.state_batch, c.eval.score_batch, c.eval.num_bootstrap = 16, 16, 200
+    c.eval.curve_ks = "1,2,4"
+  return c

@@ -1,0 +1,67 @@
+"""Metrics for people watching long jobs: one JSON line per step in `metrics.jsonl`, TensorBoard
+event files, and a progress bar.
+
+`metrics.jsonl` is append-only and resume-safe: `MetricsLog(path, resume_step=s)` first drops
+lines of the same phase with step > s (written after the checkpoint a resumed run restarts from),
+so a killed-and-resumed run leaves the same file as an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import pathlib
+
+import numpy as np
+
+
+def _clean(v):
+  v = float(np.asarray(v))
+  return None if math.isnan(v) else v
+
+
+class MetricsLog:
+  def __init__(self, workdir: str | os.PathLike, phase: str, resume_step: int = 0,
+               tensorboard: bool = True):
+    self.path = pathlib.Path(workdir) / "metrics.jsonl"
+    self.phase = phase
+    if self.path.exists():
+      kept = [l for l in self.path.read_text().splitlines()
+              if l.strip() and not (json.loads(l).get("phase") == phase
+                                    and json.loads(l).get("step", 0) > resume_step)]
+      tmp = self.path.with_suffix(".tmp")
+      tmp.write_text("".join(l + "\n" for l in kept))
+      os.replace(tmp, self.path)
+    self._tb = None
+    if tensorboard:
+      from tensorboardX import SummaryWriter
+      self._tb = SummaryWriter(str(pathlib.Path(workdir) / "tensorboard" / phase))
+
+  def write(self, step: int, metrics: dict, timing: dict | None = None) -> dict:
+    """Appends one line {phase, step, **metrics, **timing}; returns it. Timing values (wall
+    clock, throughput) go to TensorBoard too but are kept apart so equality checks can skip them."""
+    line = {"phase": self.phase, "step": int(step)}
+    line.update({k: _clean(v) for k, v in sorted(metrics.items())})
+    if timing:
+      line["timing"] = {k: round(float(v), 4) for k, v in sorted(timing.items())}
+    with open(self.path, "a") as f:
+      f.write(json.dumps(line) + "\n")
+    if self._tb is not None:
+      for k, v in {**metrics, **(timing or {})}.items():
+        v = _clean(v)
+        if v is not None:
+          self._tb.add_scalar(f"{self.phase}/{k}", v, step)
+    return line
+
+  def close(self):
+    if self._tb is not None:
+      self._tb.close()
+
+
+def check_finite(step: int, metrics: dict, keys=("loss",)) -> None:
+  """Raises FloatingPointError naming the step and the metric if a loss is NaN or infinite."""
+  for k in keys:
+    if k in metrics and not np.isfinite(np.asarray(metrics[k])):
+      raise FloatingPointError(f"step {step}: {k} is {float(np.asarray(metrics[k]))}; lower the "
+                               "learning rate or check the data (the last checkpoint is intact)")

@@ -1,0 +1,47 @@
+"""Supervised fine-tuning on demonstration transcripts, masked to the agent's tokens.
+
+loss = - sum_{b,i} mask[b,i] * log p(tokens[b,i] | tokens[b,:i]) / sum_{b,i} mask[b,i]
+
+where mask is 1 exactly on the agent's action tokens and their end-of-turn token (the
+environment's observations are context, never targets).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from jaxagent.models.config import ModelConfig
+from jaxagent.rollout.scoring import token_logprobs
+
+
+def sft_loss(cfg: ModelConfig, params, tokens, length, loss_mask):
+  """(loss, metrics) for a batch: tokens/loss_mask [B, L], length [B]."""
+  lp = token_logprobs(cfg, params, tokens, length)
+  mask = loss_mask.astype(jnp.float32)
+  n = jnp.maximum(jnp.sum(mask), 1.0)
+  nll = -jnp.sum(lp * mask) / n
+  return nll, {"loss": nll, "agent_tokens": jnp.sum(mask), "perplexity": jnp.exp(nll)}
+
+
+def make_sft_step(cfg: ModelConfig, optimizer: optax.GradientTransformation):
+  """Jitted `step(train_state, batch) -> (train_state, metrics)`; the state is donated.
+
+  `batch` is a dict with tokens [B, L] int32, loss_mask [B, L], length [B] int32.
+  """
+
+  @functools.partial(jax.jit, donate_argnums=(0,))
+  def step(state, batch):
+    grad_fn = jax.value_and_grad(
+        lambda p: sft_loss(cfg, p, batch["tokens"], batch["length"], batch["loss_mask"]),
+        has_aux=True)
+    (_, metrics), grads = grad_fn(state.params)
+    updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    metrics["grad_norm"] = optax.global_norm(grads)
+    return state.replace(step=state.step + 1, params=params, opt_state=opt_state), metrics
+
+  return step

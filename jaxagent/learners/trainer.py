@@ -1,0 +1,274 @@
+"""The training loop: `run(config, workdir)` runs the phases of a config (SFT, then RL).
+
+Every phase checkpoints to `<workdir>/checkpoints/<phase>` (params, optimizer state, step and
+RNG; the data position is derived from the step), so a run restarted on the same workdir resumes
+from the latest checkpoint and continues exactly as if never stopped: batch s always uses the same
+tasks, budgets and keys (folded from the seed and s). A finished phase is not redone. SIGTERM
+saves a checkpoint and exits cleanly. Per step: one line in `<workdir>/metrics.jsonl`, TensorBoard
+scalars, and a progress bar.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import optax
+from absl import logging
+from tqdm import tqdm
+
+import jaxagent.envs as envs
+from jaxagent.checkpoint import FINGERPRINT_KEY, Checkpointer, PreemptionGuard, model_fingerprint
+
+from jaxagent.data import tasks as task_data
+from jaxagent.learners import sft as sft_lib
+from jaxagent.learners.logger import MetricsLog, check_finite
+from jaxagent.learners.update import LearnerConfig, TrainState, make_optimizer, make_update_fn
+from jaxagent.models import Policy, from_pretrained
+from jaxagent.rollout import budget as budget_lib
+from jaxagent.rollout import rollout
+from jaxagent.rollout.stats import trajectory_stats
+from jaxagent.rollout.trajectory import trim
+from jaxagent.sharding import make_mesh
+
+PHASES = ("sft", "rl")
+
+
+# ---- set-up shared by train and eval -----------------------------------------------------------
+
+
+def validate(config: ml_collections.ConfigDict) -> None:
+  """Raises a clear error for a bad config before any compute starts."""
+  if config.env.name not in envs.names():
+    raise ValueError(f"config.env.name={config.env.name!r} is not an environment; choose one of "
+                     f"{envs.names()}")
+  budget_lib.parse_budget(config.rl.budget, per=config.rl.budget_per)
+  learner_config(config)
+
+
+def learner_config(config) -> LearnerConfig:
+  """The learner knobs; log-probs are recomputed at the rollout's sampling temperature."""
+  return LearnerConfig.from_config({**config.rl.learner.to_dict(),
+                                    "temperature": float(config.rl.temperature)})
+
+
+def load_policy(config) -> Policy:
+  mesh = make_mesh(dict(config.mesh))
+  return from_pretrained(config.model.path, dtype=config.model.dtype, mesh=mesh,
+                         param_dtype=config.model.param_dtype)
+
+
+def make_env(config, tokenizer):
+  return envs.make(config.env.name, tokenizer, **dict(config.env.difficulty))
+
+
+def data_dir(config, workdir) -> pathlib.Path:
+  return pathlib.Path(config.data.dir or pathlib.Path(workdir) / "data")
+
+
+def task_kwargs(config) -> dict:
+  return dict(seed=config.data.seed, num_train=config.data.num_train,
+              num_validation=config.data.num_validation, num_test=config.data.num_test,
+              **dict(config.env.difficulty))
+
+
+def load_tasks(config, workdir, split: str) -> dict[str, np.ndarray]:
+  """The fixed task split as numpy arrays (built into the data dir on first use)."""
+  d = data_dir(config, workdir)
+  task_data.build(d, config.env.name, **task_kwargs(config))
+  return task_data.load(d, config.env.name, split, **task_kwargs(config))
+
+
+def _abstract(tree):
+  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
+
+
+def latest_params(workdir, abstract_params) -> tuple[Any, str, int]:
+  """Params of the latest checkpoint of the last phase that has one: (params, phase, step)."""
+  for phase in reversed(PHASES):
+    directory = pathlib.Path(workdir) / "checkpoints" / phase
+    if not directory.exists():
+      continue
+    ckpt = Checkpointer.reader(directory)
+    step = ckpt.latest_step()
+    if step is not None:
+      params = ckpt.restore_params(step, abstract_params)
+      ckpt.close()
+      return params, phase, step
+    ckpt.close()
+  raise FileNotFoundError(f"{workdir}: no checkpoint under checkpoints/{{{','.join(PHASES)}}}; "
+                          "train it first, or fix the path")
+
+
+# ---- phases --------------------------------------------------------------------------------------
+
+
+def _batch_slice(arrays: dict, start: int, size: int) -> dict:
+  n = len(next(iter(arrays.values())))
+  idx = (start + np.arange(size)) % n
+  return {k: v[idx] for k, v in arrays.items()}
+
+
+class _Phase:
+  """Checkpointing, metrics, progress and preemption for one phase."""
+
+  def __init__(self, name, config, workdir, fingerprint, total_steps):
+    self.name, self.total = name, total_steps
+    self.ckpt = Checkpointer(pathlib.Path(workdir) / "checkpoints" / name,
+                             max_to_keep=config.max_to_keep,
+                             save_interval_steps=config.checkpoint_every)
+    self.ckpt.check_compatible(fingerprint)
+    self.fingerprint = fingerprint
+    self.config = config
+    self.workdir = workdir
+
+  def restore(self, state: TrainState) -> tuple[TrainState, int]:
+    step = self.ckpt.latest_step()
+    if step is None:
+      return state, 0
+    logging.info("%s: resuming from step %d", self.name, step)
+    restored = self.ckpt.restore(step, abstract_state=_abstract(_state_dict(state)))
+    return TrainState(**restored), step
+
+  def save(self, step: int, state: TrainState, force=False):
+    self.ckpt.save(step, _state_dict(state), meta={"phase": self.name, "step": step,
+                                                   FINGERPRINT_KEY: self.fingerprint}, force=force)
+
+
+def _state_dict(state: TrainState) -> dict:
+  """The saved layout: a dict, so evaluation can restore the `params` subtree alone."""
+  return {"params": state.params, "opt_state": state.opt_state, "step": state.step,
+          "key": state.key}
+
+
+def run_sft(config, workdir, policy: Policy, env, params, fingerprint) -> Any:
+  c = config.sft
+  phase = _Phase("sft", config, workdir, fingerprint, c.steps)
+  optimizer = make_optimizer(learning_rate=c.learning_rate, warmup_steps=c.warmup_steps,
+                             total_steps=c.steps, schedule="cosine", weight_decay=c.weight_decay,
+                             max_grad_norm=c.max_grad_norm)
+  state = TrainState(step=jnp.int32(0), params=params, opt_state=optimizer.init(params),
+                     key=jax.random.key(config.seed))
+  state, start = phase.restore(state)
+  if start >= c.steps:
+    logging.info("sft: already done (%d steps)", start)
+    return state.params
+  from jaxagent.data import demos as demo_data
+  d = data_dir(config, workdir)
+  demos = demo_data.load_or_build(
+      d, env, tokenizer=policy.tokenizer, env_name=config.env.name,
+      task_kwargs=task_kwargs(config), num_demos=config.data.num_demos,
+      error_rate=config.data.demo_error_rate, recovery_rate=config.data.demo_recovery_rate,
+      max_turns=config.data.demo_max_turns, seed=config.seed)
+  n = len(demos["length"])
+  perm_key = jax.random.key(config.seed + 1)
+  step_fn = sft_lib.make_sft_step(policy.config, optimizer)
+  log = MetricsLog(workdir, "sft", resume_step=start)
+  bar = tqdm(total=c.steps, initial=start, desc="sft", disable=not config.progress_bar)
+  with PreemptionGuard() as guard:
+    for s in range(start, c.steps):
+      epoch, pos = divmod(s * c.batch_size, n)
+      perm = np.asarray(jax.random.permutation(jax.random.fold_in(perm_key, epoch), n))
+      idx = perm[(pos + np.arange(c.batch_size)) % n]
+      batch = {k: jnp.asarray(demos[k][idx]) for k in ("tokens", "loss_mask", "length")}
+      t0 = time.perf_counter()
+      state, metrics = step_fn(state, batch)
+      metrics = jax.device_get(metrics)
+      check_finite(s + 1, metrics)
+      dt = time.perf_counter() - t0
+      if (s + 1) % config.log_every == 0 or s + 1 == c.steps:
+        log.write(s + 1, metrics, {"step_seconds": dt,
+                                   "tokens_per_second": float(np.sum(batch["length"])) / dt})
+      bar.update(1)
+      bar.set_postfix(loss=f"{float(metrics['loss']):.3f}")
+      phase.save(s + 1, state, force=s + 1 == c.steps)
+      if guard.should_stop(s + 1):
+        phase.save(s + 1, state, force=True)
+        phase.ckpt.wait_until_finished()
+        raise SystemExit(f"sft: preempted; saved step {s + 1}; rerun the same command to resume")
+  phase.ckpt.wait_until_finished()
+  bar.close()
+  log.close()
+  return state.params
+
+
+def run_rl(config, workdir, policy: Policy, env, params, fingerprint) -> Any:
+  c = config.rl
+  lcfg = learner_config(config)
+  sampler = budget_lib.parse_budget(c.budget, per=c.budget_per)
+  phase = _Phase("rl", config, workdir, fingerprint, c.steps)
+  optimizer = lcfg.make_optimizer(total_steps=c.steps * lcfg.optimizer_steps_per_update)
+  update = make_update_fn(lcfg, policy.config, optimizer)
+  ref_params = params if lcfg.kl_coef > 0 else None
+  state = TrainState(step=jnp.int32(0), params=params, opt_state=optimizer.init(params),
+                     key=jax.random.key(config.seed + 2))
+  state, start = phase.restore(state)
+  if start >= c.steps:
+    logging.info("rl: already done (%d steps)", start)
+    return state.params
+  train = load_tasks(config, workdir, "train")
+  key = jax.random.key(config.seed + 3)
+  log = MetricsLog(workdir, "rl", resume_step=start)
+  bar = tqdm(total=c.steps, initial=start, desc=f"rl {c.budget}", disable=not config.progress_bar)
+  with PreemptionGuard() as guard:
+    for s in range(start, c.steps):
+      k_budget, k_roll = jax.random.split(jax.random.fold_in(key, s))
+      budgets = sampler.sample(s, k_budget, c.num_tasks)
+      tasks = task_data.tasks_from_arrays(env, _batch_slice(train, s * c.num_tasks, c.num_tasks))
+      t0 = time.perf_counter()
+      traj = rollout(policy, env, k_roll, tasks, c.group_size, budgets,
+                     max_turns=sampler.max_budget, max_action_tokens=c.max_action_tokens or None,
+                     budget_visible=c.budget_visible, temperature=c.temperature,
+                     params=state.params)
+      stats = jax.device_get(trajectory_stats(traj))
+      t1 = time.perf_counter()
+      state, metrics = update(state, trim(traj), ref_params)
+      metrics = {**jax.device_get(metrics), **stats}
+      check_finite(s + 1, metrics)
+      t2 = time.perf_counter()
+      if (s + 1) % config.log_every == 0 or s + 1 == c.steps:
+        log.write(s + 1, metrics, {
+            "rollout_seconds": t1 - t0, "update_seconds": t2 - t1,
+            "sampled_tokens_per_second": float(stats["sampled_tokens"]) / (t1 - t0)})
+      bar.update(1)
+      bar.set_postfix(success=f"{float(stats['success_rate']):.2f}",
+                      turns=f"{float(stats['mean_turns']):.1f}")
+      phase.save(s + 1, state, force=s + 1 == c.steps)
+      if guard.should_stop(s + 1):
+        phase.save(s + 1, state, force=True)
+        phase.ckpt.wait_until_finished()
+        raise SystemExit(f"rl: preempted; saved step {s + 1}; rerun the same command to resume")
+  phase.ckpt.wait_until_finished()
+  bar.close()
+  log.close()
+  return state.params
+
+
+def run(config: ml_collections.ConfigDict, workdir) -> dict:
+  """Runs the config's phases in `workdir` (resuming), returns a summary dict."""
+  workdir = pathlib.Path(workdir)
+  workdir.mkdir(parents=True, exist_ok=True)
+  validate(config)
+  (workdir / "config.json").write_text(config.to_json_best_effort(indent=2))
+  policy = load_policy(config)
+  fingerprint = model_fingerprint(policy.config)
+  env = make_env(config, policy.tokenizer)
+  params = policy.params
+  if config.model.init_from:
+    params, phase, step = latest_params(config.model.init_from, _abstract(params))
+    logging.info("initialised from %s (%s step %d)", config.model.init_from, phase, step)
+  summary = {"workdir": str(workdir)}
+  if config.sft.steps > 0:
+    params = run_sft(config, workdir, policy, env, params, fingerprint)
+    summary["sft_steps"] = config.sft.steps
+  if config.rl.steps > 0:
+    params = run_rl(config, workdir, policy, env, params, fingerprint)
+    summary["rl_steps"] = config.rl.steps
+  (workdir / "DONE").write_text(json.dumps(summary) + "\n")
+  return summary

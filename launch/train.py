@@ -1,0 +1,24 @@
+"""Train: the phases of a config (SFT, then RL) in one workdir; resumes where it stopped.
+
+    python -m launch.train --config=configs/default.py[:variant] --workdir=DIR [--config.k=v ...]
+"""
+
+from absl import app, flags
+from ml_collections import config_flags
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "Config file (get_config(arg)).",
+                                          lock_config=True)
+_WORKDIR = flags.DEFINE_string("workdir", None, "Where checkpoints, metrics and logs go.")
+flags.mark_flags_as_required(["config", "workdir"])
+
+
+def main(argv):
+  del argv
+  from launch._logs import quiet_libraries
+  quiet_libraries()
+  from jaxagent.learners import trainer
+  trainer.run(_CONFIG.value, _WORKDIR.value)
+
+
+if __name__ == "__main__":
+  app.run(main)
