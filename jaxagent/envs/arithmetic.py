@@ -94,7 +94,7 @@ class ArithmeticEnv:
       raise ValueError(f"need max_operand <= max_value <= 999999999, got {max_operand}, {max_value}")
     self.codec = codec
     self.num_ops, self.max_operand, self.max_value = num_ops, max_operand, max_value
-    self.digits = len(str(max_value))
+    self.digits, self.operand_digits = len(str(max_value)), len(str(max_operand))
     self.max_action_len, self.max_action_bytes = max_action_len, max_action_bytes
     self.tool_table = byte_table(TOOLS)
     self.messages = codec.fragment_table([m.format(max_value=max_value) for m in MESSAGES])
@@ -145,14 +145,15 @@ class ArithmeticEnv:
 
   # ---- rendering ------------------------------------------------------------------------------
 
-  def _int(self, v):
-    return self.codec.int_pieces(v, self.digits)
+  def _int(self, v, digits=None):
+    return self.codec.int_pieces(v, digits or self.digits)
 
   def _prompt_pieces(self, task: ArithmeticTask, budget: jax.Array) -> list:
     fr = self.frag
-    user = [fr["Compute "]] + [fr["("]] * (self.num_ops - 1) + self._int(task.values[0])
+    d = self.operand_digits   # the expression's numbers are <= max_operand
+    user = [fr["Compute "]] + [fr["("]] * (self.num_ops - 1) + self._int(task.values[0], d)
     for i in range(self.num_ops):
-      user += [self.ops_text.get(task.ops[i]), *self._int(task.operands[i])]
+      user += [self.ops_text.get(task.ops[i]), *self._int(task.operands[i], d)]
       if i < self.num_ops - 1:
         user.append(fr[")"])
     user += [fr["."], *common.budget_intro(self.codec, budget)]
@@ -231,6 +232,6 @@ class ArithmeticEnv:
     pieces = [self.tool_open.get(jnp.where(ask, task.ops[pc], ANSWER)),
               *self._int(task.values[jnp.minimum(p, self.num_ops)]),
               mask_piece(self.frag[", "], ask),
-              *[mask_piece(x, ask) for x in self._int(task.operands[pc])],
+              *[mask_piece(x, ask) for x in self._int(task.operands[pc], self.operand_digits)],
               self.frag[")"]]
     return concat(pieces, self.max_action_len, self.codec.pad_id)

@@ -116,11 +116,8 @@ def byte_table(strings: Sequence[str]) -> ByteTable:
 
 
 def cumsum(x: jax.Array) -> jax.Array:
-  """Inclusive cumulative sum of a short 1-D int vector as one masked reduction ([n, n]); XLA:CPU
-  compiles it much faster than `jnp.cumsum` (a chain of reduce-windows) and n is small here."""
-  n = x.shape[0]
-  lower = np.tril(np.ones((n, n), bool))
-  return jnp.sum(jnp.where(lower, x[None, :], 0), axis=1).astype(x.dtype)
+  """Inclusive cumulative sum of a 1-D int vector (`jnp.cumsum`; one place to tune it)."""
+  return jnp.cumsum(x).astype(x.dtype)
 
 
 def mask_piece(piece: Piece, keep: jax.Array) -> Piece:
@@ -297,32 +294,35 @@ class TextCodec:
     return self.fragment_table([str(i) for i in range(max_value + 1)])
 
   @functools.cached_property
-  def _groups(self) -> tuple[FragmentTable, FragmentTable]:
-    return self.numbers(999), self.fragment_table([f"{i:03d}" for i in range(1000)])
+  def _groups(self) -> FragmentTable:
+    # Rows 0..999: "0".."999" (a leading group); rows 1000..1999: "000".."999" (a later group).
+    return self.fragment_table([str(i) for i in range(1000)] + [f"{i:03d}" for i in range(1000)])
 
   def int_pieces(self, value: jax.Array, max_digits: int = 9) -> list[Piece]:
-    """Jittable: the pieces printing a non-negative int32 `value` (< 10**max_digits) in decimal.
+    """Jittable: the pieces printing an int32 `value` in decimal.
 
-    The number is printed in groups of three digits (leading group unpadded, the others zero
-    padded), each group from a 1000-entry table, so any value needs at most ceil(D/3) pieces.
-    Values < 1000 are tokenised exactly as `encode(str(value))`. Negative values print as 0.
+    The number is printed in groups of three digits (the leading group unpadded, later ones zero
+    padded), one piece per group from a 2000-entry table, so a value takes ceil(max_digits / 3)
+    pieces. Values < 1000 are tokenised exactly as `encode(str(value))`. Values are clipped to
+    [0, 10**max_digits - 1] (callers choose max_digits from a static bound on the value).
     """
-    plain, padded = self._groups
-    v = jnp.maximum(jnp.asarray(value, jnp.int32), 0)
+    table = self._groups
+    v = jnp.clip(jnp.asarray(value, jnp.int32), 0, min(10 ** max_digits - 1, 2 ** 31 - 1))
     num_groups = -(-max_digits // 3)
-    groups = [(v // (1000 ** g)) % 1000 for g in reversed(range(num_groups))]  # most significant first
     pieces = []
-    for g, x in enumerate(groups):
-      higher = v >= 1000 ** (num_groups - g)    # a group before this one is printed
-      lead = (v >= 1000 ** (num_groups - 1 - g)) & ~higher
-      last = g == num_groups - 1
-      pieces.append(mask_piece(plain.get(x), lead | (last & ~higher)))
-      pieces.append(mask_piece(padded.get(x), higher))
+    for g in range(num_groups):                 # most significant first
+      scale = 1000 ** (num_groups - 1 - g)
+      x = (v // scale) % 1000
+      if g == 0:
+        pieces.append(mask_piece(table.get(x), (v >= scale) | (g == num_groups - 1)))
+      else:
+        higher = v >= scale * 1000              # an earlier group is printed: zero pad this one
+        shown = (v >= scale) | (g == num_groups - 1)
+        pieces.append(mask_piece(table.get(x + jnp.where(higher, 1000, 0)), shown))
     return pieces
 
   def int_host(self, value: int) -> np.ndarray:
     """Host twin of `int_pieces`: the same tokens for the same value."""
-    plain, padded = self._groups
     value = max(int(value), 0)
     groups = []
     while True:
@@ -331,7 +331,7 @@ class TextCodec:
       if value == 0:
         break
     groups = groups[::-1]
-    return concat_host([plain.host(groups[0])] + [padded.host(g) for g in groups[1:]])
+    return concat_host([self._groups.host(groups[0])] + [self._groups.host(1000 + g) for g in groups[1:]])
 
   # ---- chat wrapping ------------------------------------------------------------------------
 

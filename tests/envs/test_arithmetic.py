@@ -39,10 +39,11 @@ def hand_task():
                         values=jnp.asarray([3, 12, 24, 17], jnp.int32))
 
 
-@pytest.mark.parametrize("num_ops,max_operand,max_value", [(1, 9, 99), (4, 1000, 999_999_999)])
-def test_oracle_solves_every_task_in_optimal_turns(any_tokenizer, kit, num_ops, max_operand, max_value):
-  env = envs.make("arithmetic", any_tokenizer, num_ops=num_ops, max_operand=max_operand,
-                  max_value=max_value)
+@pytest.mark.parametrize("tokenizer,num_ops,max_operand,max_value", [
+    ("builtin", 1, 9, 99), ("builtin", 4, 1000, 999_999_999), ("large", 4, 1000, 999_999_999)])
+def test_oracle_solves_every_task_in_optimal_turns(request, kit, tokenizer, num_ops, max_operand, max_value):
+  tok = request.getfixturevalue(f"{tokenizer}_tokenizer")
+  env = envs.make("arithmetic", tok, num_ops=num_ops, max_operand=max_operand, max_value=max_value)
   tasks = jax.vmap(env.sample_task)(jax.random.split(jax.random.key(0), 256))
   values = np.asarray(tasks.values)
   assert values.min() >= 0 and values.max() <= max_value
@@ -56,14 +57,20 @@ def test_oracle_solves_every_task_in_optimal_turns(any_tokenizer, kit, num_ops, 
   assert np.all(np.asarray(state.progress) == num_ops)
 
 
-def test_observations_and_error_kinds_exact(builtin_tokenizer, kit):
-  env = envs.make("arithmetic", builtin_tokenizer, num_ops=3, max_operand=20, max_value=999,
-                  max_action_len=ACTION_LEN)
-  codec, step = env.codec, jax.jit(env.step)
-  state, obs = env.reset(jax.random.key(0), hand_task(), 20)
-  assert codec.decode(obs) == (
+def test_prompt_is_chatml_for_the_builtin_tokenizer(builtin_tokenizer):
+  env = envs.make("arithmetic", builtin_tokenizer, num_ops=3, max_operand=20, max_value=999)
+  _, obs = jax.jit(env.reset)(jax.random.key(0), hand_task(), 20)
+  assert env.codec.decode(obs) == (
       "<|im_start|>system\n" + SYSTEM + "<|im_end|>\n<|im_start|>user\n"
       "Compute ((3 * 4) + 12) - 7.\nYou have 20 turns.<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_observations_and_error_kinds_exact(ar, kit):
+  codec, step = ar.codec, ar.step
+  chat = codec.chat_text()
+  state, obs = ar.reset(jax.random.key(0), hand_task(), 20)
+  assert codec.decode(obs) == (chat["pre_system"] + SYSTEM + chat["system_to_user"] +
+                               "Compute ((3 * 4) + 12) - 7.\nYou have 20 turns." + chat["user_to_assistant"])
   script = [
       ("add 3 4", K.PARSE_ERROR, "Error: could not parse the action. Reply with one tool call, e.g. add(2, 3).", 0),
       ("div(3, 4)", K.UNKNOWN_TOOL, "Error: unknown tool. The tools are add, sub, mul and answer.", 0),
@@ -86,7 +93,7 @@ def test_observations_and_error_kinds_exact(builtin_tokenizer, kit):
   for t, (text, kind, body, om) in enumerate(script):
     state, obs, info = step(state, kit.action(codec, text, ACTION_LEN))
     assert codec.decode(obs) == (
-        f"\n<|im_start|>tool\n{body}\nTurns left: {19 - t}.<|im_end|>\n<|im_start|>assistant\n"), text
+        chat["pre_obs"] + f"{body}\nTurns left: {19 - t}." + chat["obs_to_assistant"]), text
     assert int(info.error_kind) == kind, text
     assert bool(info.oracle_match) == bool(om), text
     assert bool(info.done) == (kind == K.WRONG_ANSWER), text

@@ -109,3 +109,20 @@ def test_parse_uint():
   for start, n, value, ok in cases:
     v, good = common.parse_uint(data, jnp.int32(start), jnp.int32(n))
     assert (int(v), bool(good)) == (value, ok), (start, n)
+
+
+def test_int_pieces_print_every_magnitude(any_tokenizer):
+  codec = codec_for(any_tokenizer)
+  rng = np.random.default_rng(0)
+  vals = np.concatenate([[0, 5, 10, 999, 1000, 1001, 12345, 100000, 999999, 1000000, 1002003,
+                          100000000, 999999999, 2_000_000_000], rng.integers(0, 10**9, 50)])
+  out = jax.jit(jax.vmap(lambda v: concat(codec.int_pieces(v, 9), 16)))(jnp.asarray(vals, jnp.int32))
+  for i, v in enumerate(vals):
+    got = np.asarray(out.tokens[i, :int(out.length[i])])
+    want = str(min(v, 10**9 - 1))   # clipped to max_digits
+    assert codec.decode(got) == want
+    if v < 10**9:
+      np.testing.assert_array_equal(got, codec.int_host(int(v)))
+  # Below 1000 the tokens are the tokenizer's own for the number.
+  for v in (0, 42, 999):
+    np.testing.assert_array_equal(concat_host(codec.int_pieces(jnp.int32(v), 3)), codec.encode(str(v)))

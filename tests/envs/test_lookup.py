@@ -40,10 +40,11 @@ def hand_task():
                     link=jnp.asarray(link), path=jnp.asarray([0, 1], jnp.int32))
 
 
-@pytest.mark.parametrize("hops,distractors,relations", [(1, 0, 1), (3, 6, 8)])
-def test_oracle_solves_every_task_in_optimal_turns(any_tokenizer, kit, hops, distractors, relations):
-  env = envs.make("lookup", any_tokenizer, hops=hops, distractor_entities=distractors,
-                  num_relations=relations)
+@pytest.mark.parametrize("tokenizer,hops,distractors,relations", [
+    ("builtin", 1, 0, 1), ("builtin", 3, 6, 8), ("large", 3, 6, 8)])
+def test_oracle_solves_every_task_in_optimal_turns(request, kit, tokenizer, hops, distractors, relations):
+  tok = request.getfixturevalue(f"{tokenizer}_tokenizer")
+  env = envs.make("lookup", tok, hops=hops, distractor_entities=distractors, num_relations=relations)
   budget = np.where(np.arange(256) % 2 == 0, -1, hops + 1)   # hidden and tight visible budgets
   infos, state = kit.run_oracle(env, batch=256, budget=budget)
   assert len(infos) == hops + 1
@@ -55,15 +56,22 @@ def test_oracle_solves_every_task_in_optimal_turns(any_tokenizer, kit, hops, dis
   assert np.all(np.asarray(state.progress) == hops) and np.all(np.asarray(state.done))
 
 
-def test_observations_and_error_kinds_exact(builtin_tokenizer, kit):
-  env = envs.make("lookup", builtin_tokenizer, hops=2, distractor_entities=2, num_relations=3,
-                  max_action_len=ACTION_LEN)
-  codec, step = env.codec, jax.jit(env.step)
-  state, obs = env.reset(jax.random.key(0), hand_task(), 10)
-  assert codec.decode(obs) == (
+def test_prompt_is_chatml_for_the_builtin_tokenizer(builtin_tokenizer):
+  env = envs.make("lookup", builtin_tokenizer, hops=2, distractor_entities=2, num_relations=3)
+  _, obs = jax.jit(env.reset)(jax.random.key(0), hand_task(), 10)
+  assert env.codec.decode(obs) == (
       "<|im_start|>system\n" + SYSTEM + "<|im_end|>\n<|im_start|>user\n"
       "Question: what is the city of the owner of Alba?\nYou have 10 turns.<|im_end|>\n"
       "<|im_start|>assistant\n")
+
+
+def test_observations_and_error_kinds_exact(lk, kit):
+  codec, step = lk.codec, lk.step
+  chat = codec.chat_text()
+  state, obs = lk.reset(jax.random.key(0), hand_task(), 10)
+  assert codec.decode(obs) == (
+      chat["pre_system"] + SYSTEM + chat["system_to_user"] +
+      "Question: what is the city of the owner of Alba?\nYou have 10 turns." + chat["user_to_assistant"])
   script = [
       ("lookup Alba", K.PARSE_ERROR,
        "Error: could not parse the action. Reply with one tool call, e.g. lookup(entity, relation)."),
@@ -81,7 +89,7 @@ def test_observations_and_error_kinds_exact(builtin_tokenizer, kit):
   for t, ((text, kind, body), om) in enumerate(zip(script, oracle_matches)):
     state, obs, info = step(state, kit.action(codec, text, ACTION_LEN))
     assert codec.decode(obs) == (
-        f"\n<|im_start|>tool\n{body}\nTurns left: {9 - t}.<|im_end|>\n<|im_start|>assistant\n"), text
+        chat["pre_obs"] + f"{body}\nTurns left: {9 - t}." + chat["obs_to_assistant"]), text
     assert ERROR_KIND_NAMES[int(info.error_kind)] == kind.name.lower(), text
     assert bool(info.valid_call) == (kind in (K.NONE, K.WRONG_ANSWER)), text
     assert bool(info.oracle_match) == om, text
