@@ -19,6 +19,8 @@ from jaxagent.envs.codec import TextCodec
 _REGISTRY: dict[str, str] = {
     "lookup": "jaxagent.envs.lookup:LookupEnv",
     "arithmetic": "jaxagent.envs.arithmetic:ArithmeticEnv",
+    "grid": "jaxagent.envs.grid:GridEnv",
+    "workshop": "jaxagent.envs.workshop:WorkshopEnv",
 }
 
 _CODECS: dict[int, tuple[object, TextCodec]] = {}
