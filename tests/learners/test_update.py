@@ -51,6 +51,7 @@ def _finite(tree):
              if jnp.issubdtype(x.dtype, jnp.floating))
 
 
+@pytest.mark.slow   # compiles the decoder's gradient (most of the time)
 def test_update_structure_steps_no_retrace_determinism_and_progress(make_trajectory, small_model,
                                                                     monkeypatch):
   """One compiled update (compiling is the slow part on CPU) checked on every count."""
@@ -123,6 +124,7 @@ def test_update_structure_steps_no_retrace_determinism_and_progress(make_traject
   assert delta[1] < -0.05 and delta[5] < -0.05, delta
 
 
+@pytest.mark.slow   # compiles the decoder's gradient (most of the time)
 def test_kl_reference_and_group_filter(make_trajectory, small_model):
   cfg = LearnerConfig(loss="reinforce", aggregation="sequence", kl_coef=0.1, kl_estimator="k3",
                       filter_equal_groups=True, entropy_coef=0.01, learning_rate=1e-2,
