@@ -30,6 +30,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
 
   # Mesh axis sizes; -1 takes the remaining devices.
   c.mesh = ml_collections.ConfigDict({"data": 1, "fsdp": -1, "tensor": 1})
+  # Devices the mesh spans (the first N; 0 = all).
+  c.num_devices = 0
 
   c.env = ml_collections.ConfigDict()
   # A name from jaxagent.envs.names().
@@ -137,10 +139,11 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.sft.steps, c.rl.steps, c.rl.num_tasks, c.rl.group_size = 150, 20, 4, 8
     c.eval.max_reference_states, c.eval.num_bootstrap = 128, 500
   elif variant == "smoke":
+    c.env.difficulty = ml_collections.ConfigDict({"hops": 1, "distractor_entities": 2})
     c.data.num_train, c.data.num_validation, c.data.num_test, c.data.num_demos = 64, 16, 16, 64
     c.data.demo_max_turns = 4
     c.sft.steps, c.sft.batch_size = 4, 8
-    c.rl.steps, c.rl.num_tasks, c.rl.group_size, c.rl.budget = 2, 2, 4, "mix:2,3"
+    c.rl.steps, c.rl.num_tasks, c.rl.group_size, c.rl.budget = 2, 2, 4, "mix:1,2"
     c.checkpoint_every = 2
     c.progress_bar = False
     c.eval.num_samples, c.eval.max_turns, c.eval.rerun_budgets = 4, 4, "2,3,4"

@@ -59,13 +59,31 @@ def learner_config(config) -> LearnerConfig:
 
 
 def load_policy(config) -> Policy:
-  mesh = make_mesh(dict(config.mesh))
+  devices = jax.devices()[:config.num_devices or None]
+  mesh = make_mesh(dict(config.mesh), devices=devices)
   return from_pretrained(config.model.path, dtype=config.model.dtype, mesh=mesh,
                          param_dtype=config.model.param_dtype)
 
 
+_ENVS: dict = {}
+_STEP_FNS: dict = {}
+
+
 def make_env(config, tokenizer):
-  return envs.make(config.env.name, tokenizer, **dict(config.env.difficulty))
+  """The config's environment; one object per (name, knobs, tokenizer), so runs in one process
+  (the study's phases, tests) share the compiled rollouts, which are cached per environment."""
+  key = (config.env.name, json.dumps(config.env.difficulty.to_dict(), sort_keys=True),
+         tokenizer.name_or_path, len(tokenizer))
+  if key not in _ENVS:
+    _ENVS[key] = envs.make(config.env.name, tokenizer, **dict(config.env.difficulty))
+  return _ENVS[key]
+
+
+def _cached(key, build):
+  """Jitted step functions, reused across runs in one process when their settings are equal."""
+  if key not in _STEP_FNS:
+    _STEP_FNS[key] = build()
+  return _STEP_FNS[key]
 
 
 def data_dir(config, workdir) -> pathlib.Path:
@@ -83,6 +101,17 @@ def load_tasks(config, workdir, split: str) -> dict[str, np.ndarray]:
   d = data_dir(config, workdir)
   task_data.build(d, config.env.name, **task_kwargs(config))
   return task_data.load(d, config.env.name, split, **task_kwargs(config))
+
+
+def new_train_state(policy: Policy, params, optimizer, key) -> TrainState:
+  """A train state whose every leaf lives on the policy's mesh: params and the optimizer's
+  moments keep the params' shardings, scalars (step, key, counts) are replicated."""
+  state = TrainState(step=jnp.int32(0), params=params, opt_state=optimizer.init(params), key=key)
+  mesh = policy.mesh
+  rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+  on_mesh = lambda x: (isinstance(x, jax.Array) and hasattr(x.sharding, "mesh")
+                       and x.sharding.mesh == mesh)
+  return jax.tree.map(lambda x: x if on_mesh(x) else jax.device_put(x, rep), state)
 
 
 def _abstract(tree):
@@ -153,8 +182,10 @@ def run_sft(config, workdir, policy: Policy, env, params, fingerprint) -> Any:
   optimizer = make_optimizer(learning_rate=c.learning_rate, warmup_steps=c.warmup_steps,
                              total_steps=c.steps, schedule="cosine", weight_decay=c.weight_decay,
                              max_grad_norm=c.max_grad_norm)
-  state = TrainState(step=jnp.int32(0), params=params, opt_state=optimizer.init(params),
-                     key=jax.random.key(config.seed))
+  step_fn = _cached(("sft", policy.config, c.learning_rate, c.warmup_steps, c.steps,
+                     c.weight_decay, c.max_grad_norm),
+                    lambda: sft_lib.make_sft_step(policy.config, optimizer))
+  state = new_train_state(policy, params, optimizer, jax.random.key(config.seed))
   state, start = phase.restore(state)
   if start >= c.steps:
     logging.info("sft: already done (%d steps)", start)
@@ -168,7 +199,6 @@ def run_sft(config, workdir, policy: Policy, env, params, fingerprint) -> Any:
       max_turns=config.data.demo_max_turns, seed=config.seed)
   n = len(demos["length"])
   perm_key = jax.random.key(config.seed + 1)
-  step_fn = sft_lib.make_sft_step(policy.config, optimizer)
   log = MetricsLog(workdir, "sft", resume_step=start)
   bar = tqdm(total=c.steps, initial=start, desc="sft", disable=not config.progress_bar)
   with PreemptionGuard() as guard:
@@ -204,10 +234,10 @@ def run_rl(config, workdir, policy: Policy, env, params, fingerprint) -> Any:
   sampler = budget_lib.parse_budget(c.budget, per=c.budget_per)
   phase = _Phase("rl", config, workdir, fingerprint, c.steps)
   optimizer = lcfg.make_optimizer(total_steps=c.steps * lcfg.optimizer_steps_per_update)
-  update = make_update_fn(lcfg, policy.config, optimizer)
+  update = _cached(("rl", lcfg, policy.config, c.steps),
+                   lambda: make_update_fn(lcfg, policy.config, optimizer))
   ref_params = params if lcfg.kl_coef > 0 else None
-  state = TrainState(step=jnp.int32(0), params=params, opt_state=optimizer.init(params),
-                     key=jax.random.key(config.seed + 2))
+  state = new_train_state(policy, params, optimizer, jax.random.key(config.seed + 2))
   state, start = phase.restore(state)
   if start >= c.steps:
     logging.info("rl: already done (%d steps)", start)

@@ -1,0 +1,112 @@
+"""The training loop: end to end, exact resume, preemption, bad config."""
+
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import pytest
+
+from configs.default import get_config
+from jaxagent.learners import trainer
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+def _rl_only(steps, **over):
+  c = get_config("smoke")
+  c.sft.steps = 0
+  c.rl.steps = steps
+  c.checkpoint_every = 1
+  c.num_devices = 1
+  for k, v in over.items():
+    node = c
+    *path, last = k.split(".")
+    for p in path:
+      node = node[p]
+    node[last] = v
+  return c
+
+
+def _lines(workdir):
+  out = []
+  for line in (pathlib.Path(workdir) / "metrics.jsonl").read_text().splitlines():
+    d = json.loads(line)
+    d.pop("timing")
+    out.append(d)
+  return out
+
+
+def _params(workdir, config):
+  policy = trainer.load_policy(config)
+  params, _, _ = trainer.latest_params(workdir, trainer._abstract(policy.params))
+  return jax.tree.map(np.asarray, params)
+
+
+def test_resume_is_exact(tmp_path):
+  data = tmp_path / "data"
+  full, split = tmp_path / "full", tmp_path / "split"
+  trainer.run(_rl_only(4, **{"data.dir": str(data)}), full)
+  trainer.run(_rl_only(2, **{"data.dir": str(data)}), split)
+  # Same run, continued: a config with more steps resumes from the step-2 checkpoint.
+  trainer.run(_rl_only(4, **{"data.dir": str(data)}), split)
+  a, b = _lines(full), _lines(split)
+  assert [l["step"] for l in a] == [1, 2, 3, 4]
+  assert a == b
+  pa, pb = _params(full, _rl_only(4)), _params(split, _rl_only(4))
+  jax.tree.map(np.testing.assert_array_equal, pa, pb)
+  # A finished phase is not redone.
+  before = (full / "metrics.jsonl").read_text()
+  trainer.run(_rl_only(4, **{"data.dir": str(data)}), full)
+  assert (full / "metrics.jsonl").read_text() == before
+
+
+def test_bad_config_fails_before_compute(tmp_path):
+  with pytest.raises(ValueError, match="budget"):
+    trainer.run(_rl_only(1, **{"rl.budget": "mix:2,x"}), tmp_path / "a")
+  with pytest.raises(ValueError, match="unknown advantage"):
+    trainer.run(_rl_only(1, **{"rl.learner.advantage": "ppo2"}), tmp_path / "b")
+  with pytest.raises(ValueError, match="not an environment"):
+    trainer.run(_rl_only(1, **{"env.name": "chess"}), tmp_path / "c")
+  assert not (tmp_path / "a" / "checkpoints").exists()
+
+
+def _launch(workdir, *flags):
+  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
+  env["XLA_FLAGS"] = ""
+  return subprocess.Popen(
+      [sys.executable, "-m", "launch.train", "--config=configs/default.py:smoke",
+       f"--workdir={workdir}", *flags], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+      stderr=subprocess.STDOUT, text=True)
+
+
+@pytest.mark.slow
+def test_launch_smoke_end_to_end_and_sigterm(tmp_path):
+  # SIGTERM after the first RL step: a checkpoint is saved, the process exits cleanly, and the
+  # same command resumes and finishes.
+  work = tmp_path / "w"
+  flags = ["--config.rl.steps=6", "--config.checkpoint_every=100"]
+  proc = _launch(work, *flags)
+  metrics = work / "metrics.jsonl"
+  deadline = time.time() + 600
+  while time.time() < deadline and proc.poll() is None:
+    if metrics.exists() and any('"phase": "rl"' in l for l in metrics.read_text().splitlines()):
+      break
+    time.sleep(0.5)
+  assert proc.poll() is None, proc.communicate()[0][-3000:]
+  proc.send_signal(signal.SIGTERM)
+  out = proc.communicate(timeout=300)[0]
+  assert "preempted" in out, out[-3000:]
+  steps = sorted(int(p.name) for p in (work / "checkpoints" / "rl").iterdir() if p.name.isdigit())
+  assert steps and steps[-1] < 6            # saved at the step it stopped, not at an interval
+  proc = _launch(work, *flags)
+  out = proc.communicate(timeout=900)[0]
+  assert proc.returncode == 0, out[-3000:]
+  rl = [json.loads(l) for l in metrics.read_text().splitlines() if '"phase": "rl"' in l]
+  assert [l["step"] for l in rl] == [1, 2, 3, 4, 5, 6]
+  assert (work / "DONE").exists()
