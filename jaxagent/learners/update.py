@@ -219,9 +219,10 @@ def make_update_fn(cfg: LearnerConfig, model_cfg: ModelConfig, optimizer: optax.
   """The jitted update `(train_state, trajectory, ref_params_or_None) -> (train_state, metrics)`.
 
   The train state is donated, so ref_params must not share buffers with it (keep the
-  reference, train a copy: `init_train_state(jax.tree.map(jnp.copy, params), ...)`). Each call takes `cfg.epochs * cfg.minibatches` optimizer steps
-  (B must be divisible by `cfg.minibatches`). With ref_params, the reference log-probs are
-  computed once and the KL term (kl_coef) enters the loss; without, kl_coef must be 0.
+  reference, train a copy: `init_train_state(jax.tree.map(jnp.copy, params), ...)`).
+  Each call takes `cfg.epochs * cfg.minibatches` optimizer steps (B must be divisible by
+  `cfg.minibatches`). With ref_params, the reference log-probs are computed once and the KL
+  term (kl_coef) enters the loss; without, kl_coef must be 0.
   Metrics [] float32: the loss metrics (`losses.policy_loss`) and loss, grad_norm (before
   clipping), averaged over the steps; learning_rate of the last step; reward_mean, reward_std,
   advantage_mean, advantage_abs_mean and kept_fraction (episode weight mean) of the batch.
