@@ -153,7 +153,7 @@ class ArithmeticEnv:
     d = self.operand_digits   # the expression's numbers are <= max_operand
     user = [fr["Compute "]] + [fr["("]] * (self.num_ops - 1) + self._int(task.values[0], d)
     for i in range(self.num_ops):
-      user += [self.ops_text.get(task.ops[i]), *self._int(task.operands[i], d)]
+      user += [self.ops_text.row(task.ops[i]), *self._int(task.operands[i], d)]
       if i < self.num_ops - 1:
         user.append(fr[")"])
     user += [fr["."], *common.budget_intro(self.codec, budget)]
@@ -163,9 +163,9 @@ class ArithmeticEnv:
     is_result = msg == RESULT
     is_error = (msg >= PARSE) & ~is_result
     body = [mask_piece(common.error_prefix(self.codec), is_error),
-            mask_piece(self.messages.get(jnp.minimum(msg, len(MESSAGES) - 1)), ~is_result),
+            mask_piece(self.messages.row(jnp.minimum(msg, len(MESSAGES) - 1)), ~is_result),
             *[mask_piece(p, is_result) for p in self._int(a)],
-            mask_piece(self.ops_text.get(jnp.clip(op, 0, 2)), is_result),
+            mask_piece(self.ops_text.row(jnp.clip(op, 0, 2)), is_result),
             *[mask_piece(p, is_result) for p in self._int(b)],
             mask_piece(self.frag[" = "], is_result),
             *[mask_piece(p, is_result) for p in self._int(c)],
@@ -229,7 +229,7 @@ class ArithmeticEnv:
     task, p = state.task, state.progress
     ask = p < self.num_ops
     pc = jnp.minimum(p, self.num_ops - 1)
-    pieces = [self.tool_open.get(jnp.where(ask, task.ops[pc], ANSWER)),
+    pieces = [self.tool_open.row(jnp.where(ask, task.ops[pc], ANSWER)),
               *self._int(task.values[jnp.minimum(p, self.num_ops)]),
               mask_piece(self.frag[", "], ask),
               *[mask_piece(x, ask) for x in self._int(task.operands[pc], self.operand_digits)],

@@ -87,6 +87,14 @@ class FragmentTable:
     i = jnp.asarray(i, jnp.int32)
     return TokenBuffer(tokens=jnp.asarray(self.tokens)[i], length=jnp.asarray(self.lengths)[i])
 
+  def row(self, i: jax.Array) -> "Row":
+    """The i-th string as a lazy piece for `concat` (jittable; i may be traced/batched).
+
+    Same tokens as `get(i)`, but `concat` reads it straight from the table: no per-piece gather
+    or copy, so observations built from rows compile to fewer XLA ops and run faster.
+    """
+    return Row(self, jnp.asarray(i, jnp.int32), jnp.ones((), bool))
+
   def host(self, i: int) -> np.ndarray:
     """The i-th string's valid tokens on the host (numpy [lengths[i]])."""
     return self.tokens[int(i), :self.lengths[int(i)]]
@@ -120,46 +128,111 @@ def cumsum(x: jax.Array) -> jax.Array:
   return jnp.cumsum(x).astype(x.dtype)
 
 
-def mask_piece(piece: Piece, keep: jax.Array) -> Piece:
+class Row:
+  """A lazy piece: row `index` of a `FragmentTable`, printed only where `keep` (see
+  `FragmentTable.row`). Has `tokens` / `length` like a TokenBuffer piece. Build and consume it
+  inside one traced function (it is not a pytree)."""
+
+  def __init__(self, table: FragmentTable, index: jax.Array, keep: jax.Array):
+    self.table, self.index, self.keep = table, index, keep
+
+  @property
+  def tokens(self) -> jax.Array:   # [D] int32
+    return jnp.asarray(self.table.tokens)[self.index]
+
+  @property
+  def length(self) -> jax.Array:   # [] int32
+    return jnp.where(self.keep, jnp.asarray(self.table.lengths)[self.index], 0)
+
+
+def mask_piece(piece: Piece | Row, keep: jax.Array) -> Piece | Row:
   """The piece, or an empty one where `keep` is False (jittable; keep may be traced)."""
+  if isinstance(piece, Row):
+    return Row(piece.table, piece.index, piece.keep & keep)
   return piece.replace(length=jnp.where(keep, jnp.asarray(piece.length, jnp.int32), 0))
 
 
-def concat(pieces: Sequence[Piece], out_len: int | None = None, pad_id: int = 0) -> TokenBuffer:
+def concat(pieces: Sequence[Piece | Row], out_len: int | None = None, pad_id: int = 0) -> TokenBuffer:
   """Concatenates the valid tokens of `pieces` into one fixed-size buffer. Jittable.
 
   Args:
-    pieces: K pieces; piece k has tokens [n_k] and a length l_k <= n_k (traced or not).
-    out_len: N of the result; None means sum(n_k), which can never truncate.
+    pieces: K pieces: TokenBuffers with tokens [n_k] and a length l_k <= n_k (traced or not), a
+      block of G pieces (tokens [G, n], length [G]), or `Row`s of fragment tables.
+    out_len: N of the result; None means the sum of the capacities, which never truncates.
     pad_id: the token written after the valid ones.
   Returns:
     TokenBuffer(tokens [N], length = min(sum_k l_k, N)); output position p holds token
     p - (l_0 + ... + l_{k-1}) of piece k, for the k with l_0 + ... + l_{k-1} <= p < l_0 + ... + l_k.
+
+  Host-known tokens (numpy fragments and fragment-table rows) are read from one constant array
+  and traced tokens from another, each with one gather, so a batch (vmap) never copies the
+  constant text per example.
   """
-  toks = [jnp.asarray(p.tokens, jnp.int32).reshape(-1) for p in pieces]
-  caps = [t.shape[0] for t in toks]
+  const_parts, const_at, dyn_parts = [], {}, []
+  n_const = n_dyn = 0
+  lens, starts, caps, is_const = [], [], [], []
+
+  def const_offset(arr):
+    nonlocal n_const
+    if id(arr) not in const_at:
+      const_at[id(arr)] = n_const
+      const_parts.append(np.asarray(arr, np.int32).reshape(-1))
+      n_const += const_parts[-1].shape[0]
+    return const_at[id(arr)]
+
+  for p in pieces:
+    if isinstance(p, Row):
+      d = p.table.tokens.shape[1]
+      starts.append(const_offset(p.table.tokens) + p.index * d)
+      lens.append(jnp.clip(p.length, 0, d)[None])
+      caps.append(d)
+      is_const.append(True)
+      continue
+    tok = p.tokens
+    block = np.ndim(tok) == 2
+    g, d = (np.shape(tok) if block else (1, np.shape(tok)[-1]))
+    if isinstance(tok, np.ndarray):
+      base, const = const_offset(tok), True
+    else:
+      base, const = n_dyn, False
+      dyn_parts.append(jnp.asarray(tok, jnp.int32).reshape(-1))
+      n_dyn += g * d
+    starts.extend(base + i * d for i in range(g))
+    lens.append(jnp.clip(jnp.asarray(p.length, jnp.int32), 0, d).reshape(g))
+    caps.extend([d] * g)
+    is_const.extend([const] * g)
+
   n = int(sum(caps)) if out_len is None else int(out_len)
-  if not toks or sum(caps) == 0:
+  if not caps or sum(caps) == 0:
     return TokenBuffer(tokens=jnp.full((n,), pad_id, jnp.int32), length=jnp.zeros((), jnp.int32))
-  lens = jnp.stack([jnp.clip(jnp.asarray(p.length, jnp.int32), 0, c) for p, c in zip(pieces, caps)])
-  flat = jnp.concatenate(toks)                                   # [sum n_k]
-  flat_start = jnp.asarray(np.cumsum([0] + caps[:-1]), jnp.int32)  # [K]
-  ends = cumsum(lens)                                            # [K]
-  starts = ends - lens
+  lens = jnp.concatenate(lens).astype(jnp.int32)                 # [K]
+  starts = jnp.stack([jnp.asarray(x, jnp.int32) for x in starts])  # [K]
+  ends = cumsum(lens)
   pos = jnp.arange(n, dtype=jnp.int32)
-  k = jnp.minimum(jnp.searchsorted(ends, pos, side="right", method="compare_all"), len(toks) - 1)
-  src = jnp.clip(flat_start[k] + pos - starts[k], 0, flat.shape[0] - 1)
+  k = jnp.minimum(jnp.searchsorted(ends, pos, side="right", method="compare_all"), len(caps) - 1)
+  src = starts[k] + pos - (ends[k] - lens[k])
   total = ends[-1]
-  out = jnp.where(pos < total, flat[src], pad_id)
-  return TokenBuffer(tokens=out, length=jnp.minimum(total, n))
+  if const_parts:
+    flat = jnp.asarray(np.concatenate(const_parts))
+    out = flat[jnp.clip(src, 0, n_const - 1)]
+  if dyn_parts:
+    dyn = jnp.concatenate(dyn_parts)
+    from_dyn = dyn[jnp.clip(src, 0, n_dyn - 1)]
+    out = from_dyn if not const_parts else jnp.where(jnp.asarray(np.asarray(is_const))[k], out, from_dyn)
+  out = jnp.where(pos < total, out, pad_id)
+  return TokenBuffer(tokens=out.astype(jnp.int32), length=jnp.minimum(total, n))
 
 
-def concat_host(pieces: Sequence[Piece | np.ndarray]) -> np.ndarray:
+def concat_host(pieces: Sequence[Piece | Row | np.ndarray]) -> np.ndarray:
   """Host (numpy) twin of `concat`: the valid tokens of `pieces`, concatenated ([sum l_k])."""
   parts = []
   for p in pieces:
-    if isinstance(p, TokenBuffer):
-      parts.append(np.asarray(p.tokens, np.int32).reshape(-1)[:int(p.length)])
+    if isinstance(p, (TokenBuffer, Row)):
+      tok, length = np.asarray(p.tokens, np.int32), np.asarray(p.length, np.int32)
+      if tok.ndim == 2:
+        parts.extend(tok[i, :length[i]] for i in range(tok.shape[0]))
+      else:
+        parts.append(tok[:int(length)])
     else:
       parts.append(np.asarray(p, np.int32).reshape(-1))
   return np.concatenate(parts) if parts else np.zeros((0,), np.int32)
@@ -306,20 +379,17 @@ class TextCodec:
     pieces. Values < 1000 are tokenised exactly as `encode(str(value))`. Values are clipped to
     [0, 10**max_digits - 1] (callers choose max_digits from a static bound on the value).
     """
+    assert 1 <= max_digits <= 9, "int32 values: at most 9 digits"
     table = self._groups
-    v = jnp.clip(jnp.asarray(value, jnp.int32), 0, min(10 ** max_digits - 1, 2 ** 31 - 1))
+    v = jnp.clip(jnp.asarray(value, jnp.int32), 0, 10 ** max_digits - 1)
     num_groups = -(-max_digits // 3)
-    pieces = []
-    for g in range(num_groups):                 # most significant first
-      scale = 1000 ** (num_groups - 1 - g)
-      x = (v // scale) % 1000
-      if g == 0:
-        pieces.append(mask_piece(table.get(x), (v >= scale) | (g == num_groups - 1)))
-      else:
-        higher = v >= scale * 1000              # an earlier group is printed: zero pad this one
-        shown = (v >= scale) | (g == num_groups - 1)
-        pieces.append(mask_piece(table.get(x + jnp.where(higher, 1000, 0)), shown))
-    return pieces
+    # All groups at once (most significant first): one index vector, one gather.
+    scale = jnp.asarray([1000 ** (num_groups - 1 - g) for g in range(num_groups)], jnp.int32)
+    x = (v // scale) % 1000                                       # [G]
+    higher = v >= scale * 1000        # an earlier group is printed: zero pad this one (G0 never)
+    shown = (v >= scale) | (jnp.arange(num_groups) == num_groups - 1)
+    rows = jnp.where(higher, x + 1000, x)
+    return [Row(table, rows[g], shown[g]) for g in range(num_groups)]
 
   def int_host(self, value: int) -> np.ndarray:
     """Host twin of `int_pieces`: the same tokens for the same value."""

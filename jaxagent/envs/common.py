@@ -34,7 +34,7 @@ import numpy as np
 from flax import struct
 
 from jaxagent.envs.base import ErrorKind, StepInfo, TokenBuffer
-from jaxagent.envs.codec import ByteTable, Piece, TextCodec, concat, cumsum, mask_piece
+from jaxagent.envs.codec import ByteTable, Piece, Row, TextCodec, concat, cumsum, mask_piece
 
 MAX_INT_DIGITS = 9  # parse_uint's limit: 999_999_999 fits int32
 
@@ -183,7 +183,7 @@ def budget_intro(codec: TextCodec, budget: jax.Array) -> list[Piece]:
   shown = budget >= 0
   return [mask_piece(t["you_have"], shown),
           *[mask_piece(p, shown) for p in codec.int_pieces(budget)],
-          mask_piece(t["turns"].get(jnp.where(budget == 1, 1, 0)), shown)]
+          mask_piece(t["turns"].row(jnp.where(budget == 1, 1, 0)), shown)]
 
 
 def budget_suffix(codec: TextCodec, budget: jax.Array, turns_taken: jax.Array) -> list[Piece]:
@@ -223,9 +223,10 @@ def render(codec: TextCodec, pieces: list[Piece], out_len: int) -> TokenBuffer:
   return concat(pieces, out_len, codec.pad_id)
 
 
-def capacity(pieces: list[Piece]) -> int:
+def capacity(pieces: list) -> int:
   """Static upper bound on the tokens `pieces` can print (sum of their buffer sizes)."""
-  return int(sum(np.shape(p.tokens)[-1] for p in pieces))
+  return int(sum(p.table.tokens.shape[1] if isinstance(p, Row) else np.prod(np.shape(p.tokens))
+                 for p in pieces))
 
 
 # ---- step bookkeeping -------------------------------------------------------------------------

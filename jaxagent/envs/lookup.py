@@ -158,24 +158,24 @@ class LookupEnv:
     fr, c = self.frag, self.codec
     system = [fr[SYSTEM_TEXT]]
     for j in range(self.num_relations):
-      system += [self.rels.get(task.relations[j]), fr[", "] if j < self.num_relations - 1 else fr["."]]
+      system += [self.rels.row(task.relations[j]), fr[", "] if j < self.num_relations - 1 else fr["."]]
     user = [fr["Question: what is the "]]
     for i in reversed(range(self.hops)):
-      user += [self.rels.get(task.relations[task.path[i]]), fr[" of the "] if i > 0 else fr[" of "]]
-    user += [self.names.get(task.entities[0]), fr["?"], *common.budget_intro(c, budget)]
+      user += [self.rels.row(task.relations[task.path[i]]), fr[" of the "] if i > 0 else fr[" of "]]
+    user += [self.names.row(task.entities[0]), fr["?"], *common.budget_intro(c, budget)]
     return c.prompt(system, user)
 
   def _step_pieces(self, task, msg, ent, rel, target, budget, turns_taken) -> list:
     """Body pieces for message code `msg` (local entity/relation/target for LINK and NO_LINK)."""
     fr = self.frag
-    name_e = self.names.get(task.entities[jnp.maximum(ent, 0)])
-    name_f = self.names.get(task.entities[jnp.maximum(target, 0)])
-    rel_r = self.rels.get(task.relations[jnp.maximum(rel, 0)])
+    name_e = self.names.row(task.entities[jnp.maximum(ent, 0)])
+    name_f = self.names.row(task.entities[jnp.maximum(target, 0)])
+    rel_r = self.rels.row(task.relations[jnp.maximum(rel, 0)])
     is_link, no_link = msg == LINK, msg == NO_LINK
     is_error = (msg >= PARSE) & ~is_link
     body = [
         mask_piece(common.error_prefix(self.codec), is_error),
-        mask_piece(self.messages.get(jnp.minimum(msg, len(MESSAGES) - 1)), msg < len(MESSAGES)),
+        mask_piece(self.messages.row(jnp.minimum(msg, len(MESSAGES) - 1)), msg < len(MESSAGES)),
         mask_piece(fr["The "], is_link), mask_piece(rel_r, is_link), mask_piece(fr[" of "], is_link),
         mask_piece(name_e, is_link | no_link), mask_piece(fr[" is "], is_link),
         mask_piece(name_f, is_link), mask_piece(fr[" has no "], no_link), mask_piece(rel_r, no_link),
@@ -237,7 +237,7 @@ class LookupEnv:
     ask = p < self.hops
     pc = jnp.minimum(p, self.hops)
     pieces = [mask_piece(fr["lookup("], ask), mask_piece(fr["answer("], ~ask),
-              self.names.get(task.entities[pc]), mask_piece(fr[", "], ask),
-              mask_piece(self.rels.get(task.relations[task.path[jnp.minimum(p, self.hops - 1)]]), ask),
+              self.names.row(task.entities[pc]), mask_piece(fr[", "], ask),
+              mask_piece(self.rels.row(task.relations[task.path[jnp.minimum(p, self.hops - 1)]]), ask),
               fr[")"]]
     return concat(pieces, self.max_action_len, self.codec.pad_id)

@@ -41,7 +41,7 @@ def hand_task():
 
 
 @pytest.mark.parametrize("tokenizer,hops,distractors,relations", [
-    ("builtin", 1, 0, 1), ("builtin", 3, 6, 8), ("large", 3, 6, 8)])
+    ("builtin", 1, 0, 1), ("large", 3, 6, 8)])   # one compile each: the CPU budget of a test
 def test_oracle_solves_every_task_in_optimal_turns(request, kit, tokenizer, hops, distractors, relations):
   tok = request.getfixturevalue(f"{tokenizer}_tokenizer")
   env = envs.make("lookup", tok, hops=hops, distractor_entities=distractors, num_relations=relations)
