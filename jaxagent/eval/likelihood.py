@@ -1,0 +1,96 @@
+"""Log-likelihood analysis: trajectories of policy A scored under policy B (STUDY.md).
+
+For a trajectory tau (row b) and parameters theta, with m_l = loss_mask[b, l] (1 exactly on the
+tokens the agent sampled; environment tokens and padding are 0):
+
+    sum_ll(tau; theta)  = sum_l m_l * log p_theta(tokens[l] | tokens[:l])
+    mean_ll(tau; theta) = sum_ll / sum_l m_l                      (per agent token)
+
+The cross matrix averages over the N_A trajectories of policy A:
+
+    S[A, B] = (1/N_A) sum_tau sum_ll(tau; theta_B),   M[A, B] = (1/N_A') sum_tau mean_ll(tau; theta_B)
+
+(N_A' counts the trajectories with at least one agent token). Log-probabilities are
+log_softmax(logits / T) at the scoring temperature T (T = 0 means 1), the convention of
+`jaxagent.rollout.scoring`, so scoring A's trajectories under A at A's sampling temperature
+reproduces their behaviour log-probs.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxagent.models.config import ModelConfig
+from jaxagent.rollout.scoring import token_logprobs
+
+
+def agent_loglik(logprobs: np.ndarray, loss_mask: np.ndarray) -> dict[str, np.ndarray]:
+  """Per trajectory: sum and per-token mean of log-probs over agent tokens only.
+
+  Args:
+    logprobs: [B, L] float log p(tokens[l] | prefix).
+    loss_mask: [B, L] 1 on agent tokens.
+  Returns:
+    {"sum": [B], "mean": [B] (NaN where a row has no agent token), "count": [B]} float64.
+  """
+  lp = np.asarray(logprobs, np.float64)
+  m = np.asarray(loss_mask, np.float64)
+  s = (lp * m).sum(axis=1)
+  c = m.sum(axis=1)
+  with np.errstate(invalid="ignore", divide="ignore"):
+    mean = np.where(c > 0, s / np.maximum(c, 1), np.nan)
+  return {"sum": s, "mean": mean, "count": c}
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",))
+def _logprobs(cfg, params, tokens, length, temperature):
+  return token_logprobs(cfg, params, tokens, length, temperature)
+
+
+def score_rows(mcfg: ModelConfig, params, tokens: np.ndarray, length: np.ndarray,
+               temperature: float, batch_size: int) -> np.ndarray:
+  """log p(tokens[b, l] | tokens[b, :l]) [B, L] under `params`, in fixed-size row batches (the last
+  padded with copies of row 0, dropped), so one compiled program serves any B."""
+  tokens = np.asarray(tokens, np.int32)
+  length = np.asarray(length, np.int32)
+  b = tokens.shape[0]
+  out = []
+  for start in range(0, b, batch_size):
+    idx = np.arange(start, start + batch_size)
+    real = idx < b
+    idx = np.where(real, idx, 0)
+    lp = _logprobs(mcfg, params, jnp.asarray(tokens[idx]), jnp.asarray(length[idx]),
+                   jnp.float32(temperature))
+    out.append(np.asarray(lp)[real])
+  return np.concatenate(out) if out else np.zeros(tokens.shape, np.float32)
+
+
+def cross_likelihood(mcfg: ModelConfig, trajectories: dict, params: dict, *, temperature: float,
+                     batch_size: int) -> dict:
+  """The cross matrix: every policy's trajectories scored under every policy's parameters.
+
+  Args:
+    trajectories: label A -> {"tokens": [N_A, L], "length": [N_A], "loss_mask": [N_A, L]}.
+    params: label B -> parameters.
+  Returns:
+    {"rows": [A labels] (trajectories), "cols": [B labels] (scoring policies),
+     "sum": [[S[A, B]]], "mean": [[M[A, B]]] (lists of floats),
+     "per_trajectory": {A: {B: agent_loglik dict}}  (numpy; for paired comparisons)}.
+  """
+  rows, cols = list(trajectories), list(params)
+  per: dict = {}
+  for a in rows:
+    t = trajectories[a]
+    per[a] = {}
+    for b in cols:
+      lp = score_rows(mcfg, params[b], t["tokens"], t["length"], temperature, batch_size)
+      per[a][b] = agent_loglik(lp, t["loss_mask"])
+  return {"rows": rows, "cols": cols,
+          "sum": [[float(np.mean(per[a][b]["sum"])) for b in cols] for a in rows],
+          "mean": [[float(np.nanmean(per[a][b]["mean"])) if np.any(per[a][b]["count"] > 0)
+                    else None for b in cols] for a in rows],
+          "per_trajectory": per}

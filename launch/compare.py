@@ -1,0 +1,43 @@
+"""Compare several evaluated runs side by side and decide the claims of STUDY.md.
+
+    python -m launch.compare --config=configs/default.py:smoke \\
+        --run base=W0 --run fixed_tight=W1 --run fixed_generous=W2 --run budgetmix=W3 --out D
+
+Each workdir must have been evaluated first (python -m launch.evaluate ...). Writes
+D/{comparison.json, comparison.md, *.png} (see jaxagent.eval.job.compare).
+"""
+
+from absl import app, flags
+from ml_collections import config_flags
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "Config file the runs share.",
+                                          lock_config=True)
+_RUNS = flags.DEFINE_multi_string("run", [], "label=workdir (repeat per run).")
+_OUT = flags.DEFINE_string("out", None, "Output directory.")
+_BASE = flags.DEFINE_string("base", "base", "Label of the base policy's run.")
+flags.mark_flags_as_required(["config", "out"])
+
+
+def parse_runs(specs) -> dict[str, str]:
+  runs = {}
+  for spec in specs:
+    label, sep, workdir = spec.partition("=")
+    if not sep or not label or not workdir:
+      raise app.UsageError(f"--run {spec!r}: write --run label=workdir")
+    if label in runs:
+      raise app.UsageError(f"--run label {label!r} given twice")
+    runs[label] = workdir
+  return runs
+
+
+def main(argv):
+  del argv
+  from jaxagent.eval import job
+  comp = job.compare(parse_runs(_RUNS.value), _OUT.value, _CONFIG.value, base=_BASE.value)
+  for num, c in comp["claims"].items():
+    print(f"claim {num}: {c['verdict']}")
+  print(comp["dir"])
+
+
+if __name__ == "__main__":
+  app.run(main)
