@@ -47,11 +47,14 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.data.num_train = 2048
   c.data.num_validation = 128
   c.data.num_test = 256
-  # Demonstrations for SFT: noisy-oracle episodes on train tasks.
-  c.data.num_demos = 4096
+  # Demonstrations for SFT: noisy-oracle episodes on the train tasks (per task), with errors
+  # injected at demo_error_rate per turn and recovered from with demo_recovery_rate.
+  c.data.demo_episodes_per_task = 2
   c.data.demo_error_rate = 0.25
   c.data.demo_recovery_rate = 0.6
   c.data.demo_max_turns = 8
+  # Transcript capacity of a demonstration (tokens).
+  c.data.demo_max_len = 1024
 
   c.sft = ml_collections.ConfigDict()
   # Optimizer steps of supervised training (0 skips the phase).
@@ -135,14 +138,15 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.eval.curve_ks = "1,2,4,8"
 
   if variant == "quick":
-    c.data.num_train, c.data.num_test, c.data.num_demos = 512, 128, 1024
+    c.data.num_train, c.data.num_test = 512, 128
     c.sft.steps, c.rl.steps, c.rl.num_tasks, c.rl.group_size = 150, 20, 4, 8
     c.eval.max_reference_states, c.eval.num_bootstrap = 128, 500
   elif variant == "smoke":
     c.env.difficulty = ml_collections.ConfigDict({"hops": 1, "distractor_entities": 2})
-    c.data.num_train, c.data.num_validation, c.data.num_test, c.data.num_demos = 64, 16, 16, 64
+    c.data.num_train, c.data.num_validation, c.data.num_test = 64, 16, 16
+    c.data.demo_episodes_per_task = 1
     c.data.demo_max_turns = 4
-    c.sft.steps, c.sft.batch_size = 4, 8
+    c.sft.steps, c.sft.batch_size, c.sft.warmup_steps = 4, 8, 1
     c.rl.steps, c.rl.num_tasks, c.rl.group_size, c.rl.budget = 2, 2, 4, "mix:1,2"
     c.checkpoint_every = 2
     c.progress_bar = False

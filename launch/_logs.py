@@ -14,4 +14,6 @@ class _DropLibraryInfo(pylogging.Filter):
 
 def quiet_libraries() -> None:
   logging.get_absl_handler().addFilter(_DropLibraryInfo())
+  import tensorflow_datasets as tfds
+  tfds.disable_progress_bar()
   logging.set_verbosity(logging.INFO)

@@ -26,6 +26,7 @@ from tqdm import tqdm
 import jaxagent.envs as envs
 from jaxagent.checkpoint import FINGERPRINT_KEY, Checkpointer, PreemptionGuard, model_fingerprint
 
+from jaxagent.data import demos as demo_data
 from jaxagent.data import tasks as task_data
 from jaxagent.learners import sft as sft_lib
 from jaxagent.learners.logger import MetricsLog, check_finite
@@ -114,6 +115,26 @@ def new_train_state(policy: Policy, params, optimizer, key) -> TrainState:
   return jax.tree.map(lambda x: x if on_mesh(x) else jax.device_put(x, rep), state)
 
 
+def demo_kwargs(config) -> dict:
+  d = config.data
+  return dict(task_seed=d.seed, num_train=d.num_train, num_validation=d.num_validation,
+              num_test=d.num_test, error_rate=d.demo_error_rate,
+              recovery_rate=d.demo_recovery_rate, max_turns=d.demo_max_turns,
+              max_len=d.demo_max_len, seed=config.seed,
+              episodes_per_task=d.demo_episodes_per_task, **dict(config.env.difficulty))
+
+
+def load_demos(config, workdir, tokenizer, split: str) -> dict[str, np.ndarray]:
+  """Noisy-oracle demonstrations (built on first use), token arrays cut to the longest one."""
+  d = data_dir(config, workdir)
+  demo_data.build(d, config.env.name, tokenizer, **demo_kwargs(config))
+  arrays = demo_data.load(d, config.env.name, tokenizer, split, **demo_kwargs(config))
+  keep = -(-int(arrays["length"].max()) // 64) * 64
+  for k in ("tokens", "loss_mask", "turn_of_token"):
+    arrays[k] = arrays[k][:, :keep]
+  return arrays
+
+
 def _abstract(tree):
   return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
 
@@ -190,13 +211,7 @@ def run_sft(config, workdir, policy: Policy, env, params, fingerprint) -> Any:
   if start >= c.steps:
     logging.info("sft: already done (%d steps)", start)
     return state.params
-  from jaxagent.data import demos as demo_data
-  d = data_dir(config, workdir)
-  demos = demo_data.load_or_build(
-      d, env, tokenizer=policy.tokenizer, env_name=config.env.name,
-      task_kwargs=task_kwargs(config), num_demos=config.data.num_demos,
-      error_rate=config.data.demo_error_rate, recovery_rate=config.data.demo_recovery_rate,
-      max_turns=config.data.demo_max_turns, seed=config.seed)
+  demos = load_demos(config, workdir, policy.tokenizer, "train")
   n = len(demos["length"])
   perm_key = jax.random.key(config.seed + 1)
   log = MetricsLog(workdir, "sft", resume_step=start)
@@ -236,7 +251,8 @@ def run_rl(config, workdir, policy: Policy, env, params, fingerprint) -> Any:
   optimizer = lcfg.make_optimizer(total_steps=c.steps * lcfg.optimizer_steps_per_update)
   update = _cached(("rl", lcfg, policy.config, c.steps),
                    lambda: make_update_fn(lcfg, policy.config, optimizer))
-  ref_params = params if lcfg.kl_coef > 0 else None
+  # A copy: the update donates the train state, whose params start as these arrays.
+  ref_params = jax.tree.map(jnp.copy, params) if lcfg.kl_coef > 0 else None
   state = new_train_state(policy, params, optimizer, jax.random.key(config.seed + 2))
   state, start = phase.restore(state)
   if start >= c.steps:

@@ -112,6 +112,15 @@ def main():
       "jaxagent_init_seed": 0,
   }, indent=2) + "\n")
   print(f"wrote {out}: vocab {tok.get_vocab_size()}, eos {eos}, pad {pad}")
+  # builtin:micro: the same tokenizer, a 4x narrower 2-layer decoder (tests, smoke runs).
+  micro = HERE / "micro"
+  micro.mkdir(exist_ok=True)
+  for f in ("tokenizer.json", "tokenizer_config.json"):
+    (micro / f).write_text((out / f).read_text())
+  cfg = json.loads((out / "config.json").read_text())
+  cfg.update(hidden_size=128, intermediate_size=384, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2)
+  (micro / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
 
 
 if __name__ == "__main__":
