@@ -126,3 +126,16 @@ def test_int_pieces_print_every_magnitude(any_tokenizer):
   # Below 1000 the tokens are the tokenizer's own for the number.
   for v in (0, 42, 999):
     np.testing.assert_array_equal(concat_host(codec.int_pieces(jnp.int32(v), 3)), codec.encode(str(v)))
+
+
+def test_registry(builtin_tokenizer):
+  import jaxagent.envs as envs
+  assert {"lookup", "arithmetic"} <= set(envs.names())
+  assert envs.names() == sorted(envs.names())
+  with pytest.raises(ValueError, match="unknown environment"):
+    envs.make("nope", builtin_tokenizer)
+  env = envs.make("lookup", builtin_tokenizer, hops=1)
+  assert env.codec is codec_for(builtin_tokenizer)              # one codec per tokenizer
+  assert envs.make("arithmetic", env.codec).codec is env.codec  # a codec is accepted too
+  with pytest.raises(TypeError):
+    envs.make("lookup", builtin_tokenizer, no_such_knob=1)

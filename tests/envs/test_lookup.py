@@ -166,3 +166,34 @@ def test_tokenisation_does_not_change_parsing(lk, kit, text):
   n = int(o1.length)
   assert int(o2.length) == n
   np.testing.assert_array_equal(np.asarray(o1.tokens)[:n], np.asarray(o2.tokens)[:n])
+
+
+def test_bad_token_sequences_are_parse_errors(lk, kit):
+  codec = lk.codec
+  state, _ = lk.reset(jax.random.key(0), hand_task(), -1)
+  ok = kit.action(codec, "lookup(Alba, owner)", ACTION_LEN)
+  bt = lambda bs: [kit.byte_token(codec, b) for b in bs]
+  cases = {
+      "empty": ([], 0),
+      "all padding": ([codec.pad_id] * ACTION_LEN, ACTION_LEN),
+      "end of turn inside": (list(codec.encode("lookup(Alba, owner)")) + [codec.end_of_turn_id], None),
+      "invalid utf-8": (bt(b"lookup(Alba, ") + bt(b"\xc3\x28") + bt(b")"), None),
+      "out-of-vocab ids": (list(codec.encode("lookup(Alba, owner)"))[:-1] + [codec.vocab_size + 7, -1], None),
+  }
+  for name, (ids, length) in cases.items():
+    ids = ids[:ACTION_LEN]
+    tokens = np.full(ACTION_LEN, codec.pad_id, np.int32)
+    tokens[:len(ids)] = ids
+    action = envs.TokenBuffer(tokens=jnp.asarray(tokens), length=jnp.int32(len(ids) if length is None else length))
+    new, obs, info = lk.step(state, action)
+    assert int(info.error_kind) == K.PARSE_ERROR, name
+    assert "Error: could not parse the action." in codec.decode(obs), name
+    assert int(new.progress) == 0 and not bool(new.done), name
+  # More bytes than max_action_bytes: a parse error even though the text would be a valid call.
+  short_env = envs.make("lookup", codec, hops=2, distractor_entities=2, num_relations=3,
+                       max_action_len=ACTION_LEN, max_action_bytes=16)
+  short_state, _ = short_env.reset(jax.random.key(0), hand_task(), -1)
+  _, _, info = jax.jit(short_env.step)(short_state, ok)      # "lookup(Alba, owner)" is 19 bytes
+  assert int(info.error_kind) == K.PARSE_ERROR
+  _, _, info = lk.step(state, ok)
+  assert int(info.error_kind) == K.NONE
