@@ -39,9 +39,14 @@ NUM_KINDS = len(ErrorKind)
 
 
 class ScriptedPolicy(NamedTuple):
-  """A policy that acts from the env state. `act` is pure and vmappable (one episode)."""
-  init: Callable[[], Any]
-  act: Callable[[jax.Array, Any, Any], tuple[TokenBuffer, Any, jax.Array]]
+  """A policy that acts from the env state. `act` is pure and vmappable (one episode).
+
+  `params` is a pytree of arrays passed to `act` as a jit argument (not baked into the program),
+  so a runner compiled once serves every setting of them (e.g. every error rate).
+  """
+  init: Callable[[], Any]                     # () -> the per-episode carry
+  act: Callable[..., tuple[TokenBuffer, Any, jax.Array]]   # (params, key, state, carry) ->
+  params: Any = None                          #   (action, carry, injected [] bool)
 
 
 @struct.dataclass
@@ -68,8 +73,8 @@ class Transcript:
 def oracle_policy(env) -> ScriptedPolicy:
   """The env's oracle, every turn."""
   return ScriptedPolicy(init=lambda: jnp.zeros((), bool),
-                        act=lambda key, state, carry: (env.oracle_action(state), carry,
-                                                       jnp.zeros((), bool)))
+                        act=lambda params, key, state, carry: (env.oracle_action(state), carry,
+                                                               jnp.zeros((), bool)))
 
 
 def byte_tokens(codec) -> np.ndarray:
@@ -152,16 +157,22 @@ def make_error_sampler(env) -> Callable[[jax.Array, Any], tuple[TokenBuffer, jax
   return sample
 
 
-def noisy_oracle_policy(env, error_rate: float, recovery_rate: float) -> ScriptedPolicy:
-  """The oracle with injected errors (see the module docstring). The carry is `in_error`."""
+def noisy_oracle_params(error_rate: float, recovery_rate: float) -> dict[str, jax.Array]:
+  """The `params` of `noisy_oracle_policy`: {error_rate, recovery_rate} as float32 scalars."""
   if not (0.0 <= error_rate <= 1.0 and 0.0 <= recovery_rate <= 1.0):
     raise ValueError(f"error_rate and recovery_rate must be in [0, 1], got {error_rate}, "
                      f"{recovery_rate}")
+  return {"error_rate": jnp.float32(error_rate), "recovery_rate": jnp.float32(recovery_rate)}
+
+
+def noisy_oracle_policy(env, error_rate: float, recovery_rate: float) -> ScriptedPolicy:
+  """The oracle with injected errors (see the module docstring). The carry is `in_error`; the
+  rates are `params` (a runner can be called with other `noisy_oracle_params`)."""
   sample_error = make_error_sampler(env)
 
-  def act(key, state, in_error):
+  def act(params, key, state, in_error):
     u = jax.random.uniform(key, (3,))   # one PRNG call per turn keeps the program small
-    p_err = jnp.where(in_error, 1.0 - recovery_rate, error_rate)
+    p_err = jnp.where(in_error, 1.0 - params["recovery_rate"], params["error_rate"])
     err = u[0] < p_err
     bad, kind = sample_error(u[1:], state)
     err = err & (kind != ErrorKind.NONE)
@@ -169,7 +180,8 @@ def noisy_oracle_policy(env, error_rate: float, recovery_rate: float) -> Scripte
     action = jax.tree.map(lambda b, g: jnp.where(err, b, g), bad, good)
     return action, err, err
 
-  return ScriptedPolicy(init=lambda: jnp.zeros((), bool), act=act)
+  return ScriptedPolicy(init=lambda: jnp.zeros((), bool), act=act,
+                        params=noisy_oracle_params(error_rate, recovery_rate))
 
 
 def _write(buf, mask, tot, length, seg_tokens, seg_valid, seg_loss, seg_turn, max_len):
@@ -183,19 +195,23 @@ def _write(buf, mask, tot, length, seg_tokens, seg_valid, seg_loss, seg_turn, ma
 
 
 def make_episode_runner(env, policy: ScriptedPolicy, *, max_turns: int, max_len: int):
-  """A jitted `run(keys, tasks, budget) -> Transcript` for a batch of scripted episodes.
+  """`run(keys, tasks=None, budget=-1, params=None) -> Transcript` for a batch of scripted
+  episodes, jitted.
 
   Args (of run):
     keys: [B] PRNG keys (one per episode: reset when tasks is None, and the policy's noise).
     tasks: a batched task pytree (leading axis B), or None to sample tasks from the keys.
-    budget: [B] int32 interaction budgets (-1: hidden); the env ends episodes that spend theirs.
-  Each call with the same shapes reuses one compiled program: reset, then a `lax.scan` over
-  max_turns turns of (policy act, env step, transcript append), all vmapped over B.
+    budget: [B] (or scalar) int32 interaction budgets (-1: hidden); the env ends episodes that
+      spend theirs.
+    params: the policy's params (default `policy.params`), shared by all episodes.
+  Each call with the same shapes reuses one compiled program (`run.traces` counts the traces):
+  reset, then a `lax.scan` over max_turns turns of (policy act, env step, transcript append), all
+  vmapped over B.
   """
   eot = env.codec.end_of_turn_id
   pad = env.codec.pad_id
 
-  def one_episode(key, task, budget):
+  def one_episode(params, key, task, budget):
     keys = jax.random.split(key, max_turns + 1)   # reset, then one per turn
     state, obs = env.reset(keys[0], task, budget)
     n0 = obs.tokens.shape[0]
@@ -211,7 +227,7 @@ def make_episode_runner(env, policy: ScriptedPolicy, *, max_turns: int, max_len:
       t, k_turn = xs
       state, pcarry, buf, mask, tot, length = carry
       live = ~state.done
-      action, pcarry, injected = policy.act(k_turn, state, pcarry)
+      action, pcarry, injected = policy.act(params, k_turn, state, pcarry)
       state, obs, info = env.step(state, action)
       a, n = action.tokens.shape[0], obs.tokens.shape[0]
       seg_tokens = jnp.concatenate([action.tokens, jnp.asarray([eot], jnp.int32), obs.tokens])
@@ -243,13 +259,17 @@ def make_episode_runner(env, policy: ScriptedPolicy, *, max_turns: int, max_len:
         num_turns=jnp.sum(rec["acted"]).astype(jnp.int32),
         optimal_turns=rec["optimal_turns"][0].astype(jnp.int32))
 
-  @jax.jit
-  def run(keys, tasks, budget):
-    return jax.vmap(one_episode)(keys, tasks, budget)
+  traces = []
 
-  def run_episodes(keys, tasks=None, budget=-1) -> Transcript:
+  @jax.jit
+  def run(params, keys, tasks, budget):
+    traces.append(1)   # runs once per trace
+    return jax.vmap(one_episode, in_axes=(None, 0, 0, 0))(params, keys, tasks, budget)
+
+  def run_episodes(keys, tasks=None, budget=-1, params=None) -> Transcript:
     b = keys.shape[0]
     budget = jnp.broadcast_to(jnp.asarray(budget, jnp.int32), (b,))
-    return run(keys, tasks, budget)
+    return run(policy.params if params is None else params, keys, tasks, budget)
 
+  run_episodes.traces = traces
   return run_episodes
