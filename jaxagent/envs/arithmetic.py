@@ -129,7 +129,7 @@ class ArithmeticEnv:
       op, x = xs
       op = jnp.where((op == SUB) & (v == 0), ADD, op)   # keep subtractions meaningful
       hi = jnp.select([op == ADD, op == SUB],
-                      [self.max_value - v, v], self.max_value // jnp.maximum(v, 1))
+                      [self.max_value - v, v], jax.lax.div(jnp.int32(self.max_value), jnp.maximum(v, 1)))
       hi = jnp.minimum(hi, self.max_operand)
       lo = jnp.minimum(jnp.where(op == MUL, 2, 1), hi)  # no +0, -0, *0, *1 unless forced
       b = randint(x, lo, hi)
@@ -196,7 +196,7 @@ class ArithmeticEnv:
     is_answer = call.tool == ANSWER
     # Overflow-free checks in int32: a, b <= max_value <= 999999999, so a + b < 2**31.
     too_large = jnp.select([call.tool == ADD, call.tool == MUL],
-                           [a + b > mv, (b > 0) & (a > mv // jnp.maximum(b, 1))], False)
+                           [a + b > mv, (b > 0) & (a > jax.lax.div(jnp.int32(mv), jnp.maximum(b, 1)))], False)
     result = jnp.select([call.tool == ADD, call.tool == SUB], [a + b, a - b],
                         jnp.where(too_large, 0, a * b))
     msg = jnp.select(

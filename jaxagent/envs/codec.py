@@ -385,7 +385,7 @@ class TextCodec:
     num_groups = -(-max_digits // 3)
     # All groups at once (most significant first): one index vector, one gather.
     scale = jnp.asarray([1000 ** (num_groups - 1 - g) for g in range(num_groups)], jnp.int32)
-    x = (v // scale) % 1000                                       # [G]
+    x = jax.lax.rem(jax.lax.div(v, scale), 1000)   # [G]; v >= 0, so C division is floor division
     higher = v >= scale * 1000        # an earlier group is printed: zero pad this one (G0 never)
     shown = (v >= scale) | (jnp.arange(num_groups) == num_groups - 1)
     rows = jnp.where(higher, x + 1000, x)
