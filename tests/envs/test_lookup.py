@@ -152,7 +152,8 @@ _calls = st.builds(
     lambda tool, args, sp, q: tool + "(" + ",".join(sp + q + a + q + sp for a in args) + ")",
     st.sampled_from(("lookup", "answer", "look", "")), st.lists(_names, max_size=3),
     st.sampled_from(("", " ", "  ")), st.sampled_from(("", "'", '"')))
-_texts = _calls | st.text(alphabet="lookupanswer(),' Alba1234", max_size=ACTION_LEN)
+_texts = (_calls | st.text(alphabet="lookupanswer(),' Alba1234", max_size=ACTION_LEN)).filter(
+    lambda t: len(t) <= ACTION_LEN)   # one token per character must fit the action buffer
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
