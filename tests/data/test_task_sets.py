@@ -1,0 +1,93 @@
+"""Tests of the task-set TFDS builder (data/tasks.py): array_record, no TensorFlow."""
+
+import hashlib
+import os
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+import jaxagent.envs as envs
+from jaxagent.data import tasks
+
+SIZES = dict(num_train=48, num_validation=16, num_test=16)
+GRID = dict(size=4, num_traps=1)
+
+
+@pytest.fixture(scope="module")
+def grid_dir(tmp_path_factory):
+  root = tmp_path_factory.mktemp("tasks")
+  return root, tasks.build(root, "grid", seed=0, **SIZES, **GRID)
+
+
+def _digests(arrays):
+  names = sorted(k for k in arrays if k != "index")
+  n = len(arrays["index"])
+  return {hashlib.sha256(b"".join(arrays[k][i].tobytes() for k in names)).hexdigest()
+          for i in range(n)}
+
+
+def test_round_trip_gives_back_the_sampled_tasks(grid_dir, builtin_tokenizer):
+  root, path = grid_dir
+  assert path == tasks.builder_dir(root, "grid", seed=0, **SIZES, **GRID)
+  assert any(f.endswith("array_record-00000-of-00001") for f in os.listdir(path))
+  env = envs.make("grid", builtin_tokenizer, **GRID)
+  expected = tasks.sample_task_splits(env, tasks.task_set_config("grid", seed=0, **SIZES, **GRID))
+  for split in tasks.SPLITS:
+    got = tasks.load(root, "grid", split, seed=0, **SIZES, **GRID)
+    assert set(got) == {"index", "walls", "traps", "start", "goal"}
+    np.testing.assert_array_equal(got["index"], np.arange(SIZES[f"num_{split}"]))
+    for k, v in expected[split].items():
+      assert got[k].dtype == v.dtype and got[k].shape == v.shape, k
+      np.testing.assert_array_equal(got[k], v)
+  assert "tensorflow" not in sys.modules
+
+
+def test_splits_are_disjoint_and_seeds_reproducible(grid_dir, tmp_path):
+  root, _ = grid_dir
+  digests = {s: _digests(tasks.load(root, "grid", s, seed=0, **SIZES, **GRID)) for s in tasks.SPLITS}
+  assert [len(d) for d in digests.values()] == [48, 16, 16]           # no duplicates inside
+  assert not (digests["train"] & digests["test"]) and not (digests["train"] & digests["validation"])
+  assert not (digests["validation"] & digests["test"])
+  tasks.build(tmp_path / "again", "grid", seed=0, **SIZES, **GRID)
+  again = tasks.load(tmp_path / "again", "grid", "test", seed=0, **SIZES, **GRID)
+  assert _digests(again) == digests["test"]
+  tasks.build(tmp_path / "other", "grid", seed=1, **SIZES, **GRID)
+  other = tasks.load(tmp_path / "other", "grid", "test", seed=1, **SIZES, **GRID)
+  assert len(_digests(other) & digests["test"]) < 4
+
+
+def test_loaded_tasks_drive_the_environment(grid_dir, tmp_path, builtin_tokenizer):
+  root, _ = grid_dir
+  env = envs.make("grid", builtin_tokenizer, **GRID)
+  arrays = tasks.load(root, "grid", "validation", seed=0, **SIZES, **GRID)
+  batch = tasks.tasks_from_arrays(env, arrays)
+  assert batch.walls.shape == (16, 4, 4) and batch.start.dtype == np.int32
+  opt = np.asarray(jax.jit(jax.vmap(env.optimal_turns))(batch))
+  assert np.all((opt >= 1) & (opt <= 15))
+  with pytest.raises(ValueError, match="missing fields"):
+    tasks.tasks_from_arrays(env, {"index": arrays["index"], "walls": arrays["walls"]})
+  # Workshop tasks round-trip too (another task pytree).
+  tasks.build(tmp_path, "workshop", seed=3, num_train=8, num_validation=4, num_test=4, depth=1)
+  ws = envs.make("workshop", builtin_tokenizer, depth=1)
+  loaded = tasks.tasks_from_arrays(
+      ws, tasks.load(tmp_path, "workshop", "train", seed=3, num_train=8, num_validation=4,
+                     num_test=4, depth=1))
+  assert np.all(np.asarray(jax.jit(jax.vmap(ws.optimal_turns))(loaded)) == 6)
+
+
+def test_errors_name_the_fix(tmp_path):
+  with pytest.raises(FileNotFoundError, match="build it first"):
+    tasks.load(tmp_path, "grid", "train", seed=5, **GRID)
+  with pytest.raises(ValueError, match="task space is too small"):
+    tasks.build(tmp_path, "grid", seed=0, num_train=4000, num_validation=4, num_test=4, size=2,
+                num_traps=0, wall_density=0.0)
+
+
+def test_config_names_encode_the_knobs():
+  a = tasks.task_set_config("grid", seed=0, **SIZES, size=6, num_traps=2)
+  b = tasks.task_set_config("grid", seed=0, **SIZES, num_traps=2, size=6)
+  c = tasks.task_set_config("grid", seed=1, **SIZES, size=6, num_traps=2)
+  assert a.name == b.name == "grid-num_traps=2_size=6-seed0-n48_16_16" and a.name != c.name
+  assert a.difficulty == {"size": 6, "num_traps": 2}
