@@ -19,8 +19,9 @@ and splitting the rendered text around the placeholders (`prompt`, `observation`
 model sees the format it was trained on. See `base.py` for the transcript convention.
 
 A piece (the unit `concat` takes) is a `TokenBuffer` whose `tokens` is a 1-D array (numpy for
-host fragments, jax inside jit) and whose `length` counts the valid leading tokens; pieces of
-length 0 print nothing.
+host fragments, jax inside jit) and whose `length` counts the valid leading tokens, a block of
+pieces (tokens [G, n], length [G]), or a `Row` of a `FragmentTable` (`table.row(i)`, the cheapest
+way to print a name chosen inside jit); pieces of length 0 print nothing (`mask_piece`).
 """
 
 from __future__ import annotations
@@ -77,7 +78,8 @@ def _is_byte_level(hf_tokenizer) -> bool:
 class FragmentTable:
   """K pre-tokenised strings, padded: row i is the i-th string's tokens.
 
-  Select one inside jit with `get(i)` (i may be traced); on the host use `host(i)`.
+  Select one inside jit with `row(i)` (a lazy piece for `concat`) or `get(i)` (a TokenBuffer);
+  i may be traced and is clamped to [0, K). On the host use `host(i)`.
   """
   tokens: np.ndarray   # [K, D] int32
   lengths: np.ndarray  # [K] int32
@@ -93,7 +95,8 @@ class FragmentTable:
     Same tokens as `get(i)`, but `concat` reads it straight from the table: no per-piece gather
     or copy, so observations built from rows compile to fewer XLA ops and run faster.
     """
-    return Row(self, jnp.asarray(i, jnp.int32), jnp.ones((), bool))
+    i = jnp.clip(jnp.asarray(i, jnp.int32), 0, self.tokens.shape[0] - 1)   # as `get` (gathers clamp)
+    return Row(self, i, jnp.ones((), bool))
 
   def host(self, i: int) -> np.ndarray:
     """The i-th string's valid tokens on the host (numpy [lengths[i]])."""

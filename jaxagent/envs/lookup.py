@@ -208,8 +208,7 @@ class LookupEnv:
     rel = self._local(common.arg_name(call, 1, self.relation_bytes), task.relations)
     target = task.link[jnp.maximum(ent, 0), jnp.maximum(rel, 0)]
     is_lookup, is_answer = call.tool == LOOKUP, call.tool == ANSWER
-    answer_ent = self._local(common.arg_name(call, 0, self.entity_bytes), task.entities)
-    correct = answer_ent == self.hops
+    correct = ent == self.hops           # answer(x): x names the end of the chain (local entity H)
     msg = jnp.select(
         [~call.syntax_ok, call.tool < 0,
          is_lookup & (call.num_args != 2), is_lookup & (ent < 0), is_lookup & (rel < 0),
