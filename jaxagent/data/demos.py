@@ -94,8 +94,10 @@ def demo_set_config(env_name: str, tokenizer, *, task_seed: int = 0, num_train: 
                 budget=budget, seed=seed, episodes_per_task=episodes_per_task)
   fingerprint = tokenizer_fingerprint(tokenizer)
   spec = json.dumps([env_name, difficulty, fields], sort_keys=True)
-  name = (f"{env_name}-{task_sets.difficulty_slug(difficulty)}-err{error_rate:g}-rec{recovery_rate:g}"
-          f"-tok{fingerprint}-{hashlib.sha256(spec.encode()).hexdigest()[:8]}")
+  ident = task_sets.ident
+  name = (f"{env_name}__{task_sets.difficulty_slug(difficulty)}__err{ident(f'{error_rate:g}')}"
+          f"__rec{ident(f'{recovery_rate:g}')}__tok{fingerprint}"
+          f"__{hashlib.sha256(spec.encode()).hexdigest()[:8]}")
   return DemoSetConfig(
       name=name, description=f"{env_name} noisy-oracle demonstrations: {spec}",
       env_name=env_name, difficulty_json=json.dumps(difficulty, sort_keys=True),

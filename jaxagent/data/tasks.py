@@ -5,7 +5,9 @@ split sizes). Each example is one task instance: the leaves of the environment's
 (`env.sample_task(key)`), stored under their field names, plus `index` (position in the split).
 Files are array_record, written and read by tensorflow_datasets without TensorFlow:
 `GeneratorBasedBuilder(file_format='array_record')` encodes `tfds.features.Tensor` with numpy, and
-`builder_from_directory(...).as_data_source()` reads the records back as numpy.
+`builder_from_directory(...).as_data_source()` reads the records back as numpy (so does
+`tfds.data_source("task_sets/<config name>", data_dir=..., download=False)` once this module is
+imported). `as_dataset` (tf.data) is the one reader that needs TensorFlow; it is not used.
 
 Task instances are token-free (indices into an environment's name tables, grids, numbers), so one
 task set serves every tokenizer; the environment used for sampling is built with the built-in
@@ -56,21 +58,27 @@ class TaskSetConfig(tfds.core.BuilderConfig):
     return {"train": self.num_train, "validation": self.num_validation, "test": self.num_test}[split]
 
 
+def ident(value: Any) -> str:
+  """A value as identifier characters: 0.25 -> '0p25', -1 -> 'm1', True -> 'True'."""
+  return str(value).replace(".", "p").replace("-", "m")
+
+
 def difficulty_slug(difficulty: dict[str, Any]) -> str:
-  """A short, filesystem-safe, stable name for a set of knobs: `k1=v1,k2=v2` or a hash."""
+  """A short, stable name for a set of knobs made of identifier characters (so config names
+  work with `tfds.data_source("task_sets/<name>")`): `k1_v1__k2_v2`, or a hash if long."""
   if not difficulty:
     return "default"
-  text = ",".join(f"{k}={difficulty[k]}" for k in sorted(difficulty))
-  if len(text) <= 60 and all(c.isalnum() or c in "=,._-" for c in text):
-    return text.replace(",", "_")
-  return "h" + hashlib.sha256(text.encode()).hexdigest()[:12]
+  text = "__".join(f"{k}_{ident(difficulty[k])}" for k in sorted(difficulty))
+  if len(text) <= 60 and all(c.isalnum() or c == "_" for c in text):
+    return text
+  return "h" + hashlib.sha256(json.dumps(difficulty, sort_keys=True).encode()).hexdigest()[:12]
 
 
 def task_set_config(env_name: str, *, seed: int = 0, num_train: int = 1024,
                     num_validation: int = 256, num_test: int = 256, **difficulty) -> TaskSetConfig:
   """The config for `env_name` with these knobs; its name encodes every field."""
-  name = (f"{env_name}-{difficulty_slug(difficulty)}-seed{seed}"
-          f"-n{num_train}_{num_validation}_{num_test}")
+  name = (f"{env_name}__{difficulty_slug(difficulty)}__seed{seed}"
+          f"__n{num_train}_{num_validation}_{num_test}")
   return TaskSetConfig(
       name=name, description=f"{env_name} tasks, knobs {difficulty}, seed {seed}",
       env_name=env_name, difficulty_json=json.dumps(difficulty, sort_keys=True), seed=seed,

@@ -7,6 +7,7 @@ import sys
 import jax
 import numpy as np
 import pytest
+import tensorflow_datasets as tfds
 
 import jaxagent.envs as envs
 from jaxagent.data import tasks
@@ -41,6 +42,11 @@ def test_round_trip_gives_back_the_sampled_tasks(grid_dir, builtin_tokenizer):
     for k, v in expected[split].items():
       assert got[k].dtype == v.dtype and got[k].shape == v.shape, k
       np.testing.assert_array_equal(got[k], v)
+  # The registered builder reads back through tfds.data_source too (array_record, numpy).
+  name = os.path.basename(os.path.dirname(path))
+  source = tfds.data_source(f"task_sets/{name}", data_dir=root, split="test", download=False)
+  assert len(source) == 16
+  np.testing.assert_array_equal(source[3]["walls"], expected["test"]["walls"][3])
   assert "tensorflow" not in sys.modules
 
 
@@ -89,5 +95,6 @@ def test_config_names_encode_the_knobs():
   a = tasks.task_set_config("grid", seed=0, **SIZES, size=6, num_traps=2)
   b = tasks.task_set_config("grid", seed=0, **SIZES, num_traps=2, size=6)
   c = tasks.task_set_config("grid", seed=1, **SIZES, size=6, num_traps=2)
-  assert a.name == b.name == "grid-num_traps=2_size=6-seed0-n48_16_16" and a.name != c.name
+  assert a.name == b.name == "grid__num_traps_2__size_6__seed0__n48_16_16" and a.name != c.name
+  assert tasks.task_set_config("grid", wall_density=0.25).name.startswith("grid__wall_density_0p25__")
   assert a.difficulty == {"size": 6, "num_traps": 2}
