@@ -139,3 +139,50 @@ def test_registry(builtin_tokenizer):
   assert envs.make("arithmetic", env.codec).codec is env.codec  # a codec is accepted too
   with pytest.raises(TypeError):
     envs.make("lookup", builtin_tokenizer, no_such_knob=1)
+
+
+# A Qwen2.5-style template (tool results as a user turn wrapped in <tool_response>) and a
+# Gemma-style one (no system role: raises on it; roles must alternate).
+QWEN25_STYLE = (
+    "{%- if messages[0]['role'] == 'system' %}{{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}"
+    "{%- else %}{{- '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' }}{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if message.role == 'user' %}{{- '<|im_start|>user\\n' + message.content + '<|im_end|>\\n' }}"
+    "{%- elif message.role == 'assistant' %}{{- '<|im_start|>assistant\\n' + message.content + '<|im_end|>\\n' }}"
+    "{%- elif message.role == 'tool' %}{{- '<|im_start|>user\\n<tool_response>\\n' + message.content + "
+    "'\\n</tool_response><|im_end|>\\n' }}{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
+GEMMA_STYLE = (
+    "{% for message in messages %}{% if message['role'] == 'system' %}"
+    "{{ raise_exception('System role not supported') }}{% endif %}"
+    "{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('Conversation roles must alternate') }}{% endif %}"
+    "{% set role = 'model' if message['role'] == 'assistant' else message['role'] %}"
+    "{{ '<|im_start|>' + role + '\\n' + message['content'] | trim + '<|im_end|>\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>model\\n' }}{% endif %}")
+
+
+@pytest.mark.parametrize("template", ["qwen25", "gemma"])
+def test_chat_wrapping_follows_other_templates(builtin_tokenizer, template):
+  import copy
+  from jaxagent.envs.codec import TextCodec
+  tok = copy.deepcopy(builtin_tokenizer)
+  tok.chat_template = QWEN25_STYLE if template == "qwen25" else GEMMA_STYLE
+  codec = TextCodec.from_tokenizer(tok)
+  first = codec.decode(concat(codec.prompt([codec.fragment("SYS")], [codec.fragment("USR")])))
+  later = codec.decode(concat(codec.observation([codec.fragment("OBS")])))
+  eot = codec.decode([codec.end_of_turn_id])
+  assert eot == "<|im_end|>"
+  if template == "qwen25":
+    assert codec.tool_role == "tool" and codec.has_system_role
+    msgs = [{"role": "system", "content": "SYS"}, {"role": "user", "content": "USR"}]
+    tail = [{"role": "tool", "content": "OBS"}]
+    assert later == "\n<|im_start|>user\n<tool_response>\nOBS\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+  else:
+    assert codec.tool_role == "user" and not codec.has_system_role
+    msgs = [{"role": "user", "content": "SYS\n\nUSR"}]
+    tail = [{"role": "user", "content": "OBS"}]
+  assert first == tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+  full = tok.apply_chat_template(msgs + [{"role": "assistant", "content": "ACT"}] + tail,
+                                 tokenize=False, add_generation_prompt=True)
+  assert full == first + "ACT" + eot + later
