@@ -142,6 +142,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.sft.steps, c.rl.steps, c.rl.num_tasks, c.rl.group_size = 150, 20, 4, 8
     c.eval.max_reference_states, c.eval.num_bootstrap = 128, 500
   elif variant == "smoke":
+    c.model.path = "builtin:micro"
     c.env.difficulty = ml_collections.ConfigDict({"hops": 1, "distractor_entities": 2})
     c.data.num_train, c.data.num_validation, c.data.num_test = 64, 16, 16
     c.data.demo_episodes_per_task = 1

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 
 from jaxagent.envs.host import HostEnv
 from jaxagent.rollout import sampler
-from jaxagent.rollout.engine import HostRollout, RolloutConfig, make_rollout_fn
+from jaxagent.rollout.engine import HostRollout, RolloutConfig, make_rollout_fn, step_obs_len
 from jaxagent.rollout.trajectory import Trajectory
 
 _COMPILED: dict = {}
@@ -16,7 +16,7 @@ _COMPILED: dict = {}
 
 def default_context_len(env, max_turns: int, max_action_tokens: int) -> int:
   """Room for the prompt and `max_turns` full turns, rounded up to a multiple of 64."""
-  need = env.max_obs_len + max_turns * (max_action_tokens + 1 + env.max_obs_len)
+  need = env.max_obs_len + max_turns * (max_action_tokens + 1 + step_obs_len(env))
   return -(-need // 64) * 64
 
 

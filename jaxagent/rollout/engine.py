@@ -264,7 +264,7 @@ def make_rollout_fn(mcfg: ModelConfig, env, cfg: RolloutConfig, forced_action=No
   _check(env, cfg)
   codec = env.codec
   eot, pad = int(codec.end_of_turn_id), int(codec.pad_id)
-  obs_len, action_len = env.max_obs_len, env.max_action_len
+  obs_len, action_len = step_obs_len(env), env.max_action_len
 
   def run(params, key, tasks, budget, task_id, group_id, sc):
     b = budget.shape[0]
@@ -293,6 +293,7 @@ def make_rollout_fn(mcfg: ModelConfig, env, cfg: RolloutConfig, forced_action=No
                                                  sc.temperature)
       c = _record_action(c, action, active, start)
       new_state, obs, info = jax.vmap(env.step)(state, action)
+      obs = obs.replace(tokens=obs.tokens[:, :obs_len])
       state = _where_tree(active, new_state, state)
       optimal = jnp.where(c.t == 0, info.optimal_turns, optimal)
       return _observe(mcfg, eot, params, c, obs, info, active, stopped), state, optimal
@@ -303,11 +304,18 @@ def make_rollout_fn(mcfg: ModelConfig, env, cfg: RolloutConfig, forced_action=No
   return jax.jit(run)
 
 
+def step_obs_len(env) -> int:
+  """Width of the observations after the first: an environment whose later observations are
+  shorter than its prompt says so with `max_step_obs_len`, and the engine reserves (and writes)
+  only that much per turn."""
+  return int(getattr(env, "max_step_obs_len", env.max_obs_len))
+
+
 def _check(env, cfg: RolloutConfig):
   if not 2 <= cfg.max_action_tokens <= env.max_action_len:
     raise ValueError(f"max_action_tokens={cfg.max_action_tokens} must be in [2, the "
                      f"environment's max_action_len = {env.max_action_len}] (it counts <eot>)")
-  need = env.max_obs_len + cfg.max_action_tokens + 1 + env.max_obs_len
+  need = env.max_obs_len + cfg.max_action_tokens + 1 + step_obs_len(env)
   if cfg.context_len < need:
     raise ValueError(f"context_len={cfg.context_len} cannot hold the prompt and one turn "
                      f"(needs >= {need}); raise rollout context_len")
@@ -326,7 +334,7 @@ class HostRollout:
     _check(env, cfg)
     self.mcfg, self.env, self.cfg = mcfg, env, cfg
     eot, pad = int(env.codec.end_of_turn_id), int(env.codec.pad_id)
-    obs_len = env.max_obs_len
+    obs_len = self.obs_len = step_obs_len(env)
     self._start = jax.jit(functools.partial(_start, mcfg, cfg, pad, env.max_action_len))
 
     def act(params, c, budget, sc):
@@ -357,6 +365,7 @@ class HostRollout:
       state, obs, info = self.env.step(state, jax.tree.map(np.asarray, action))
       if t == 0:
         optimal = np.asarray(info.optimal_turns)
+      obs = obs.replace(tokens=np.asarray(obs.tokens)[:, :self.obs_len])
       c = self._observe(params, c, _device(obs), _device(info), active, stopped)
     return self._finish(c, budget, task_id, group_id, jnp.asarray(optimal))
 

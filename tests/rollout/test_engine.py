@@ -8,6 +8,7 @@ import pytest
 import jaxagent.envs as envs
 from jaxagent.models import from_pretrained
 from jaxagent.rollout import RolloutConfig, Status, make_rollout_fn, rollout, score
+from jaxagent.rollout.engine import step_obs_len
 from jaxagent.rollout.sampler import SamplingConfig
 from jaxagent.rollout.api import _COMPILED
 
@@ -144,7 +145,7 @@ def test_budgets_per_row_and_no_recompilation(policy, env):
 
 def test_context_full_stops_rows(policy, env):
   a = env.max_action_len
-  ctx = env.max_obs_len + 2 * (a + 1 + env.max_obs_len)      # room for two turns only
+  ctx = env.max_obs_len + 2 * (a + 1 + step_obs_len(env))      # room for two turns only
   fn = make_rollout_fn(policy.config, env,
                        RolloutConfig(max_turns=5, max_action_tokens=a, context_len=ctx))
   tasks = jax.vmap(env.sample_task)(jax.random.split(jax.random.key(7), 2))
@@ -154,7 +155,7 @@ def test_context_full_stops_rows(policy, env):
   assert np.all(np.asarray(traj.status) == Status.CONTEXT_FULL)
   length = np.asarray(traj.length)
   assert np.all(length <= ctx)
-  assert np.all(length + a + 1 + env.max_obs_len > ctx)
+  assert np.all(length + a + 1 + step_obs_len(env) > ctx)
   assert np.all((2 <= np.asarray(traj.num_turns)) & (np.asarray(traj.num_turns) < 5))
 
 
