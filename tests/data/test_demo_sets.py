@@ -27,7 +27,7 @@ def built(tmp_path_factory, builtin_tokenizer):
 def test_demo_sets_round_trip_and_decode(built, builtin_tokenizer):
   root, path = built
   assert path == demos.builder_dir(root, "grid", builtin_tokenizer, **CONFIG)
-  assert sorted(os.listdir(root)) == ["demo_sets", "downloads", "task_sets"]
+  assert {"demo_sets", "task_sets"} <= set(os.listdir(root))   # the task set was built first
   env = envs.make("grid", builtin_tokenizer, size=4, num_traps=1)
   codec = env.codec
   eot = codec.decode([codec.end_of_turn_id])
