@@ -141,10 +141,13 @@ def _random_cell(u, mask):
 
 def sample_grid_task(key: jax.Array, size: int, wall_density: float, num_traps: int,
                      min_distance: int) -> GridTask:
-  """A random task whose goal is reachable from the start (see the module docstring).
+  """A random task whose goal is reachable from the start (see the module docstring)."""
+  return _sample_with_distances(key, size, wall_density, num_traps, min_distance)[0]
 
-  All randomness comes from one PRNG call (each call site costs seconds of compile time on CPU).
-  """
+
+def _sample_with_distances(key, size, wall_density, num_traps, min_distance):
+  """(task, its BFS distances [S, S]). All randomness comes from one PRNG call (each call site
+  costs seconds of compile time on CPU)."""
   s = size
   slots = 2 * (s - 1)
   u = jax.random.uniform(key, (6, s, s))   # walls, traps, goal, via, start, path order
@@ -172,7 +175,7 @@ def sample_grid_task(key: jax.Array, size: int, wall_density: float, num_traps: 
   reachable = (dist < UNREACHABLE) & (dist > 0)
   far = jnp.minimum(min_distance, jnp.max(jnp.where(reachable, dist, 0)))
   start = _random_cell(u[4], reachable & (dist >= far))
-  return GridTask(walls=walls, traps=traps, start=start, goal=goal)
+  return GridTask(walls=walls, traps=traps, start=start, goal=goal), dist
 
 
 class GridEnv:
@@ -254,8 +257,9 @@ class GridEnv:
     """[] int32: the fewest moves from the start to the goal (BFS). Jittable."""
     return distances_to(~task.walls & ~task.traps, task.goal)[task.start[0], task.start[1]]
 
-  def _initial_state(self, task: GridTask, budget) -> GridState:
-    dist = distances_to(~task.walls & ~task.traps, task.goal)
+  def _initial_state(self, task: GridTask, budget, dist=None) -> GridState:
+    if dist is None:
+      dist = distances_to(~task.walls & ~task.traps, task.goal)
     return GridState(task=task, dist=dist, pos=task.start, turn=jnp.int32(0),
                      budget=jnp.asarray(budget, jnp.int32), done=jnp.zeros((), bool),
                      solved=jnp.zeros((), bool), optimal_turns=dist[task.start[0], task.start[1]])
@@ -310,9 +314,11 @@ class GridEnv:
   def reset(self, key: jax.Array, task: GridTask | None = None,
             budget: jax.Array | int = -1) -> tuple[GridState, TokenBuffer]:
     """The initial state and the prompt (tokens [max_obs_len]). Jittable, vmappable."""
-    if task is None:
-      task = self.sample_task(key)
-    state = self._initial_state(task, budget)
+    dist = None
+    if task is None:   # the sampler's BFS distances serve the state too
+      task, dist = _sample_with_distances(key, self.size, self.wall_density, self.num_traps,
+                                          self.min_distance)
+    state = self._initial_state(task, budget, dist)
     obs = common.render(self.codec, self._prompt_pieces(state), self.max_obs_len)
     return state, obs
 
