@@ -210,6 +210,7 @@ def make_episode_runner(env, policy: ScriptedPolicy, *, max_turns: int, max_len:
   """
   eot = env.codec.end_of_turn_id
   pad = env.codec.pad_id
+  step_obs_len = int(getattr(env, "max_step_obs_len", env.max_obs_len))
 
   def one_episode(params, key, task, budget):
     keys = jax.random.split(key, max_turns + 1)   # reset, then one per turn
@@ -229,6 +230,8 @@ def make_episode_runner(env, policy: ScriptedPolicy, *, max_turns: int, max_len:
       live = ~state.done
       action, pcarry, injected = policy.act(params, k_turn, state, pcarry)
       state, obs, info = env.step(state, action)
+      # Later observations of envs that declare `max_step_obs_len` fit in that prefix.
+      obs = obs.replace(tokens=obs.tokens[:step_obs_len])
       a, n = action.tokens.shape[0], obs.tokens.shape[0]
       seg_tokens = jnp.concatenate([action.tokens, jnp.asarray([eot], jnp.int32), obs.tokens])
       seg_valid = jnp.concatenate([jnp.arange(a) < action.length, jnp.ones((1,), bool),

@@ -243,6 +243,8 @@ class GridEnv:
     self._step_cap = jax.eval_shape(
         lambda st: concat(self._step_pieces(0, st, st.pos, 0)), state_spec).tokens.shape[0]
     self.max_obs_len = int(max(prompt_cap, self._step_cap))
+    # Later observations fit in this many tokens (the rollout engine reserves only that per turn).
+    self.max_step_obs_len = int(self._step_cap)
 
   # ---- tasks ------------------------------------------------------------------------------
 

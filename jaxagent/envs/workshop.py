@@ -304,6 +304,8 @@ class WorkshopEnv:
                       + self.messages.bound({"a": name_cap, "b": name_cap}) + suffix)
     self._prompt_cap = int(prompt_cap)
     self.max_obs_len = int(max(prompt_cap, self._step_cap))
+    # Later observations fit in this many tokens (the rollout engine reserves only that per turn).
+    self.max_step_obs_len = int(self._step_cap)
 
   # ---- tasks ------------------------------------------------------------------------------
 

@@ -92,6 +92,7 @@ def test_oracle_solves_every_task_in_optimal_turns(request, tokenizer, knobs):
     assert np.all(np.asarray(action.length) < env.max_action_len)
     state, obs, info = step(state, action)
     info = jax.tree.map(np.asarray, info)
+    assert np.all(np.asarray(obs.length) <= env.max_step_obs_len)
     live, last = t < opt, t == opt - 1
     assert np.all(info.error_kind[live] == K.NONE) and np.all(info.valid_call[live])
     assert np.all(info.oracle_match[live]) and np.all(info.optimal_turns == opt)
@@ -220,7 +221,7 @@ def test_arbitrary_tokens_never_break_the_env(gr, data):
   new, obs, info = gr.step(state, envs.TokenBuffer(tokens=jnp.asarray(tokens),
                                                    length=jnp.int32(length)))
   assert float(info.reward) in (0.0, 1.0) and 0 <= int(info.error_kind) < len(ErrorKind)
-  assert 0 < int(obs.length) <= gr.env.max_obs_len
+  assert 0 < int(obs.length) <= gr.env.max_step_obs_len < gr.env.max_obs_len
   r, c = new.pos.tolist()
   assert 0 <= r < 4 and 0 <= c < 4 and not bool(new.task.walls[r, c])
   if not bool(info.valid_call):

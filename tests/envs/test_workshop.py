@@ -79,6 +79,7 @@ def test_oracle_solves_every_task_in_optimal_turns(request, tokenizer, knobs):
     assert np.all(np.asarray(action.length) < env.max_action_len)
     state, obs, info = step(state, action)
     info = jax.tree.map(np.asarray, info)
+    assert np.all(np.asarray(obs.length) <= env.max_step_obs_len)
     assert np.all(info.error_kind == K.NONE) and np.all(info.valid_call)
     assert np.all(info.oracle_match) and np.all(info.optimal_turns == opt)
     assert np.all(info.solved == (t == opt - 1)) and np.all(info.done == (t == opt - 1))
@@ -214,7 +215,7 @@ def test_arbitrary_tokens_never_break_the_env(ws, data):
   new, obs, info = ws.step(state, envs.TokenBuffer(tokens=jnp.asarray(tokens),
                                                    length=jnp.int32(length)))
   assert float(info.reward) in (0.0, 1.0) and 0 <= int(info.error_kind) < len(ErrorKind)
-  assert 0 < int(obs.length) <= ws.env.max_obs_len
+  assert 0 < int(obs.length) <= ws.env.max_step_obs_len < ws.env.max_obs_len
   if not bool(info.valid_call):
     for field in ("loc", "locked", "opened"):
       np.testing.assert_array_equal(getattr(new, field), getattr(state, field))
