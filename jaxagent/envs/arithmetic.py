@@ -107,6 +107,8 @@ class ArithmeticEnv:
     n_prompt = jax.eval_shape(lambda t: concat(self._prompt_pieces(t, zero)).tokens, task).shape[0]
     n_step = jax.eval_shape(lambda: concat(self._step_pieces(zero, zero, zero, zero, zero, zero, zero)).tokens).shape[0]
     self.max_obs_len = -(-max(n_prompt, n_step) // 8) * 8
+    # Observations after the first fit in this many tokens (the rollout reserves only that).
+    self.max_step_obs_len = -(-n_step // 8) * 8
 
   # ---- tasks ----------------------------------------------------------------------------------
 

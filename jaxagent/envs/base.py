@@ -72,6 +72,7 @@ class Environment(Protocol):
   name: str
   codec: Any            # the `TextCodec` it renders and parses with
   max_obs_len: int      # N of every observation TokenBuffer
+  max_step_obs_len: int  # observations after the first fit in their first this-many tokens
   max_action_len: int   # N of action TokenBuffers (longer actions are a parse error)
 
   def sample_task(self, key: jax.Array) -> Any: ...

@@ -108,9 +108,12 @@ class HostEnv:
   """Batches `HostEpisode`s behind the environment contract (see the module docstring)."""
 
   def __init__(self, codec: TextCodec, make_episode: Callable[[Any], HostEpisode], *,
-               max_obs_len: int, max_action_len: int, max_action_bytes: int, name: str = "host"):
+               max_obs_len: int, max_action_len: int, max_action_bytes: int, name: str = "host",
+               max_step_obs_len: int | None = None):
     self.codec, self.make_episode, self.name = codec, make_episode, name
     self.max_obs_len, self.max_action_len, self.max_action_bytes = max_obs_len, max_action_len, max_action_bytes
+    # Observations after the first fit in this many tokens (default: as many as the prompt).
+    self.max_step_obs_len = max_obs_len if max_step_obs_len is None else max_step_obs_len
 
   def _frags(self, texts: list[str]) -> list[np.ndarray]:
     return [self.codec.encode(t) for t in texts]
@@ -244,7 +247,8 @@ class HostLookupEnv(HostEnv):
     hops = self.jax_env.hops
     super().__init__(codec, lambda task: HostLookupEpisode(task, hops),
                      max_obs_len=self.jax_env.max_obs_len, max_action_len=self.jax_env.max_action_len,
-                     max_action_bytes=self.jax_env.max_action_bytes, name="host_lookup")
+                     max_action_bytes=self.jax_env.max_action_bytes, name="host_lookup",
+                     max_step_obs_len=self.jax_env.max_step_obs_len)
 
   def sample_tasks(self, key: jax.Array, batch: int) -> lookup.LookupTask:
     """B tasks from the JAX env's sampler, as numpy."""

@@ -123,6 +123,8 @@ class LookupEnv:
     n_step = jax.eval_shape(
         lambda t: concat(self._step_pieces(t, zero, zero, zero, zero, zero, zero)).tokens, task).shape[0]
     self.max_obs_len = -(-max(n_prompt, n_step) // 8) * 8
+    # Observations after the first fit in this many tokens (the rollout reserves only that).
+    self.max_step_obs_len = -(-n_step // 8) * 8
 
   # ---- tasks ----------------------------------------------------------------------------------
 

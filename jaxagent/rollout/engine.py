@@ -305,10 +305,10 @@ def make_rollout_fn(mcfg: ModelConfig, env, cfg: RolloutConfig, forced_action=No
 
 
 def step_obs_len(env) -> int:
-  """Width of the observations after the first: an environment whose later observations are
-  shorter than its prompt says so with `max_step_obs_len`, and the engine reserves (and writes)
-  only that much per turn."""
-  return int(getattr(env, "max_step_obs_len", env.max_obs_len))
+  """Width of the observations after the first (`max_step_obs_len` of the environment contract):
+  later observations are far shorter than the prompt, so the engine reserves and writes only
+  that much per turn."""
+  return int(env.max_step_obs_len)
 
 
 def _check(env, cfg: RolloutConfig):
