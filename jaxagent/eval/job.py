@@ -32,7 +32,6 @@ import dataclasses
 import json
 import pathlib
 import time
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -131,6 +130,19 @@ def _take(tree, idx):
   return jax.tree.map(lambda x: x[idx], tree)
 
 
+_ORACLES: dict = {}
+
+
+def oracle_policy(env):
+  """`(state, key) -> env.oracle_action(state)`, one function object per environment (the
+  rollout cache is keyed by the function, so every evaluation shares one compiled program)."""
+  hit = _ORACLES.get(id(env))
+  if hit is None or hit[0] is not env:
+    hit = (env, lambda state, key: env.oracle_action(state))
+    _ORACLES[id(env)] = hit
+  return hit[1]
+
+
 class Evaluator:
   """The pieces one config's evaluations share: the policy skeleton (on the config's mesh), the
   environment, the test tasks and the compiled functions. Evaluate many checkpoints with one."""
@@ -163,19 +175,19 @@ class Evaluator:
     self.tasks = tasks_from_arrays(self.env, self.test_arrays)
     self.num_tasks = int(jax.tree.leaves(self.tasks)[0].shape[0])
     self.abstract = abstract_params(self.policy.params)
-    env = self.env
-    self.oracle = lambda state, key: env.oracle_action(state)
-    self.next_action_fn = step_quality.make_next_action_fn(self.policy.config, env,
+    self.oracle = oracle_policy(self.env)
+    self.next_action_fn = step_quality.make_next_action_fn(self.policy.config, self.env,
                                                            self.action_tokens)
 
   # -- rollouts -------------------------------------------------------------------------------
 
   def rollouts(self, params, key, budget: int, *, budget_visible: bool, temperature: float,
-               group_size: int | None = None, forced: bool = False) -> Trajectory:
+               group_size: int | None = None, forced_action=None) -> Trajectory:
     """Episodes of every test task (group_size each, default num_samples), as one numpy
     Trajectory with rows task-major (row = task * group_size + j) and task_id = the index of
     the task in the test split. Tasks go in fixed-size batches (the last padded with task 0),
-    batch i with key fold_in(key, i), so one program serves every call with the same T_max."""
+    batch i with key fold_in(key, i), so one program serves every call with the same T_max
+    (budgets are traced). forced_action: see `jaxagent.rollout.rollout` (e.g. `self.oracle`)."""
     e = self.config.eval
     g = int(group_size or e.num_samples)
     per = min(int(e.tasks_per_batch), self.num_tasks)
@@ -187,7 +199,7 @@ class Evaluator:
       traj = rollout(self.policy, self.env, jax.random.fold_in(key, i), _take(self.tasks, idx),
                      g, budget, max_turns=self.t_max, max_action_tokens=self.action_tokens,
                      budget_visible=budget_visible, temperature=temperature, params=params,
-                     forced_action=self.oracle if forced else None)
+                     forced_action=forced_action)
       traj = jax.device_get(traj)
       keep = np.repeat(real, g)
       traj = _take(traj, keep)
@@ -388,7 +400,7 @@ def evaluate_checkpoint(config, workdir, step: int | None = None, *,
   base_traj = ev.rollouts(base_params, k_roll, t_top, budget_visible=ev.budget_visible,
                           temperature=temp)
   oracle_traj = ev.rollouts(params, k_oracle, t_top, budget_visible=ev.budget_visible,
-                            temperature=temp, group_size=1, forced=True)
+                            temperature=temp, group_size=1, forced_action=ev.oracle)
   lap("base_and_oracle_rollouts")
   refs, errs = ev.reference_states(oracle_traj, base_traj, ev.budget_visible)
   lap("replay")
@@ -593,7 +605,8 @@ def compare(runs: dict[str, str], out_dir, config, base: str = "base") -> dict:
   key = jax.random.key(int(e.seed))
   _, k_oracle, k_act = jax.random.split(key, 3)
   oracle_traj = ev.rollouts(params[base], k_oracle, t_top, budget_visible=vis,
-                            temperature=float(e.temperature), group_size=1, forced=True)
+                            temperature=float(e.temperature), group_size=1,
+                            forced_action=ev.oracle)
   refs, errs = ev.reference_states(oracle_traj, trajs[base], vis)
   sq_out = {lab: ev.act(p, refs, k_act) for lab, p in params.items()}
   rec_out = {lab: ev.act(p, errs, k_act) for lab, p in params.items()}

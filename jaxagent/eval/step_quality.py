@@ -199,6 +199,9 @@ class NextAction:
   error_kind: jax.Array    # [N] int32 ErrorKind
 
 
+_NEXT: dict = {}
+
+
 def make_next_action_fn(mcfg: ModelConfig, env, max_action_tokens: int):
   """jit(fn(params, prefix [N,P], prefix_len [N], env_state [N], key, sc) -> NextAction).
 
@@ -206,8 +209,12 @@ def make_next_action_fn(mcfg: ModelConfig, env, max_action_tokens: int):
   so greedy decoding reproduces the action a greedy rollout took at the same prefix. The action
   the environment receives is the decoded tokens without the end-of-turn token (a turn that hits
   `max_action_tokens` without it is cut there), exactly as the rollout engine does. Compiled once
-  per (P, N); params, contents, key and sampling knobs are traced.
+  per (P, N); params, contents, key and sampling knobs are traced. One function object per
+  (model config, environment, max_action_tokens), so evaluators share its compilations.
   """
+  ck = (mcfg, id(env), int(max_action_tokens))
+  if ck in _NEXT and _NEXT[ck][0] is env:
+    return _NEXT[ck][1]
   eot, pad = int(env.codec.end_of_turn_id), int(env.codec.pad_id)
   a, a_env = int(max_action_tokens), int(env.max_action_len)
   if not 2 <= a <= a_env:
@@ -231,7 +238,9 @@ def make_next_action_fn(mcfg: ModelConfig, env, max_action_tokens: int):
     return NextAction(tokens=toks, length=n_act, valid_call=info.valid_call,
                       oracle_match=info.oracle_match, error_kind=info.error_kind)
 
-  return jax.jit(run)
+  fn = jax.jit(run)
+  _NEXT[ck] = (env, fn)
+  return fn
 
 
 def next_actions(fn, params, refs: ReferenceStates, key, temperature: float,
