@@ -1,10 +1,11 @@
 # The two commands of the README:
-#   make run    set up .venv and run the main job on the built-in default
+#   make run    set up .venv and run the main job (the study) on the built-in default
 #   make test   set up .venv (with test tools) and run the whole test suite
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-WORKDIR ?= workdirs/default
+VARIANT ?= quick
+WORKDIR ?= workdirs/$(VARIANT)
 
 .PHONY: run test clean
 
@@ -21,8 +22,10 @@ $(VENV)/.test: $(VENV)/.base
 	$(BIN)/pip install -q -e '.[test]'
 	touch $@
 
+# The study on the built-in default: SFT base, fixed-T RL (tight, generous), BudgetMix RL,
+# evaluation of all four and the comparison report in $(WORKDIR)/report.
 run: $(VENV)/.base
-	$(BIN)/python -m launch.demo --workdir=$(WORKDIR)
+	$(BIN)/python -m launch.study --config=configs/default.py:$(VARIANT) --workdir=$(WORKDIR)
 
 test: $(VENV)/.test
 	$(BIN)/python -m pytest -n 2 -q -p no:cacheprovider tests

@@ -91,6 +91,14 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       "max_grad_norm": 1.0,
   })
 
+  # The study (jaxagent.study; python -m launch.study): three RL runs from the SFT base.
+  c.study = ml_collections.ConfigDict()
+  # Fixed budget at the optimal number of turns (hops + 1 for lookup), a generous one, and the
+  # BudgetMix spec; eval.max_turns covers the largest.
+  c.study.tight_budget = "fixed:3"
+  c.study.generous_budget = "fixed:8"
+  c.study.mix_budget = "mix:3,5,8"
+
   # Logging and checkpoints.
   c.log_every = 1
   c.checkpoint_every = 25
@@ -138,9 +146,14 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.eval.curve_ks = "1,2,4,8"
 
   if variant == "quick":
-    c.data.num_train, c.data.num_test = 512, 128
-    c.sft.steps, c.rl.steps, c.rl.num_tasks, c.rl.group_size = 150, 20, 4, 8
-    c.eval.max_reference_states, c.eval.num_bootstrap = 128, 500
+    # A few minutes on a 2-core CPU: the 0.5M-parameter model, fewer tasks and steps.
+    c.model.path = "builtin:micro"
+    c.data.num_train, c.data.num_validation, c.data.num_test = 256, 32, 64
+    c.sft.steps, c.sft.batch_size = 120, 16
+    c.rl.steps, c.rl.num_tasks, c.rl.group_size = 8, 4, 8
+    c.checkpoint_every = 4
+    c.eval.tasks_per_batch, c.eval.max_reference_states = 32, 64
+    c.eval.state_batch, c.eval.num_bootstrap = 32, 300
   elif variant == "smoke":
     c.model.path = "builtin:micro"
     c.env.difficulty = ml_collections.ConfigDict({"hops": 1, "distractor_entities": 2})
@@ -155,4 +168,5 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.eval.tasks_per_batch, c.eval.max_reference_states = 8, 24
     c.eval.state_batch, c.eval.score_batch, c.eval.num_bootstrap = 16, 16, 200
     c.eval.curve_ks = "1,2,4"
+    c.study.tight_budget, c.study.generous_budget, c.study.mix_budget = "fixed:2", "fixed:4", "mix:2,4"
   return c
