@@ -32,6 +32,8 @@ def parse_runs(specs) -> dict[str, str]:
 
 def main(argv):
   del argv
+  from launch._logs import quiet_libraries
+  quiet_libraries()
   from jaxagent.eval import job
   comp = job.compare(parse_runs(_RUNS.value), _OUT.value, _CONFIG.value, base=_BASE.value)
   for num, c in comp["claims"].items():

@@ -27,6 +27,8 @@ flags.mark_flags_as_required(["config", "workdir"])
 
 def main(argv):
   del argv
+  from launch._logs import quiet_libraries
+  quiet_libraries()
   from jaxagent.eval import job
   if sum([_STEP.value is not None, _ALL.value, _WATCH.value]) > 1:
     raise app.UsageError("give at most one of --step, --all, --watch")

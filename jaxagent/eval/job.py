@@ -408,13 +408,13 @@ def evaluate_checkpoint(config, workdir, step: int | None = None, *,
   sq_out = {w: ev.act(p, refs, k_act) for w, p in who.items()}
   rec_out = {w: ev.act(p, errs, k_act) for w, p in who.items()}
   lap("next_actions")
+  train = _train_config(workdir, config)
   rep = {
       "definitions": report.DEFINITIONS,
       "run": {"workdir": str(workdir), "phase": phase, "step": int(step), "env": ev.env.name,
-              "difficulty": dict(config.env.difficulty),
-              "train_budget": _train_config(workdir, config)["budget"],
-              "train_budget_visible": _train_config(workdir, config)["budget_visible"],
-              "rl_steps": _train_config(workdir, config)["steps"], "base": base_desc},
+              "difficulty": dict(config.env.difficulty), "train_budget": train["budget"],
+              "train_budget_visible": train["budget_visible"], "rl_steps": train["steps"],
+              "base": base_desc},
       "eval": {"mode": e.mode, "budgets": ev.budgets, "max_turns": ev.t_max,
                "budget_visible": ev.budget_visible, "num_samples": n,
                "num_tasks": ev.num_tasks, "temperature": temp, "seed": int(e.seed),
@@ -437,25 +437,8 @@ def evaluate_checkpoint(config, workdir, step: int | None = None, *,
   out.mkdir(parents=True, exist_ok=True)
   np.savez_compressed(out / "episodes.npz",
                       **_episodes_arrays(ev, success_by_t, traj, sq_out, refs, rec_out, errs))
-  ks = [k for k in _ints(e.curve_ks) if k <= n]
-  files = ["report.json", "report.md", "episodes.npz"]
-  files.append(pathlib.Path(plots.pass_heatmap(grid, out / "pass_heatmap.png",
-                                               f"Pass@(K,T), {phase} step {step}")).name)
-  files.append(pathlib.Path(plots.pass_curves(grid, ks, out / "pass_curves.png",
-                                              f"Pass@(K,T) vs T, {phase} step {step}")).name)
-  files.append(pathlib.Path(plots.rate_bars(
-      _quality_bars(rep["step_quality"]), out / "step_quality.png",
-      "Step-level action quality (reference states)")).name)
-  files.append(pathlib.Path(plots.rate_bars(
-      _recovery_bars(rep["recovery"]["controlled"]), out / "recovery.png",
-      "Controlled recovery: valid next call (sampled)")).name)
-  files.append(pathlib.Path(plots.rate_bars(
-      {w: {k: v["valid"] for k, v in r.items()} for w, r in rep["recovery"]["on_policy"].items()},
-      out / "recovery_on_policy.png", "On-policy recovery: valid next call")).name)
-  files.append(pathlib.Path(plots.matrix(lik["mean"], lik["rows"], lik["cols"],
-                                         out / "likelihood.png",
-                                         "Mean per-token log p (agent tokens)")).name)
-  rep["files"] = files
+  rep["files"] = ["report.json", "report.md", "episodes.npz"] + _run_plots(
+      rep, out, [k for k in _ints(e.curve_ks) if k <= n], f"{phase} step {step}")
   lap("write")
   rep["seconds"] = time.perf_counter() - t0
   rep["timing"] = timing
@@ -464,6 +447,24 @@ def evaluate_checkpoint(config, workdir, step: int | None = None, *,
   rep["dir"] = str(out)
   logging.info("wrote %s (%.0f s)", out, rep["seconds"])
   return rep
+
+
+def _run_plots(rep: dict, out: pathlib.Path, ks: list[int], title: str) -> list[str]:
+  """The PNG plots of one evaluation; returns their file names."""
+  grid, lik, rec = rep["pass_at_kt"], rep["likelihood"], rep["recovery"]
+  paths = [
+      plots.pass_heatmap(grid, out / "pass_heatmap.png", f"Pass@(K,T), {title}"),
+      plots.pass_curves(grid, ks, out / "pass_curves.png", f"Pass@(K,T) vs T, {title}"),
+      plots.rate_bars(_quality_bars(rep["step_quality"]), out / "step_quality.png",
+                      "Step-level action quality (reference states)"),
+      plots.rate_bars(_recovery_bars(rec["controlled"]), out / "recovery.png",
+                      "Controlled recovery: valid next call (sampled)"),
+      plots.rate_bars({w: {k: v["valid"] for k, v in r.items()}
+                       for w, r in rec["on_policy"].items()},
+                      out / "recovery_on_policy.png", "On-policy recovery: valid next call"),
+      plots.matrix(lik["mean"], lik["rows"], lik["cols"], out / "likelihood.png",
+                   "Mean per-token log p (agent tokens)")]
+  return [pathlib.Path(p).name for p in paths]
 
 
 def _quality_bars(sq: dict) -> dict:
@@ -639,7 +640,8 @@ def compare(runs: dict[str, str], out_dir, config, base: str = "base") -> dict:
       "definitions": report.DEFINITIONS,
       "runs": {lab: {"workdir": str(runs[lab]), "phase": rep["run"]["phase"],
                      "step": rep["run"]["step"], "train_budget": rep["run"]["train_budget"],
-                     "kind": kinds[lab]} for lab, (rep, _) in evals.items()},
+                     "rl_steps": rep["run"]["rl_steps"], "kind": kinds[lab]}
+               for lab, (rep, _) in evals.items()},
       "base": base,
       "eval": {k: rep0["eval"][k] for k in ("mode", "budgets", "budget_visible", "num_samples",
                                             "num_tasks", "temperature")},

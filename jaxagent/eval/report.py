@@ -434,9 +434,9 @@ def _claim_numbers(num: int, per: dict) -> str:
 def comparison_markdown(comp: dict) -> str:
   """The multi-run comparison (`job.compare`'s comparison.json) as markdown."""
   out = ["# Comparison of runs", ""]
-  out += table(["label", "kind", "workdir", "checkpoint", "train budget"],
-               [[lab, r["kind"], r["workdir"], f"{r['phase']} {r['step']}", r["train_budget"]]
-                for lab, r in comp["runs"].items()])
+  out += table(["label", "kind", "workdir", "checkpoint", "train budget", "RL steps"],
+               [[lab, r["kind"], r["workdir"], f"{r['phase']} {r['step']}", r["train_budget"],
+                 r["rl_steps"]] for lab, r in comp["runs"].items()])
   out += [f"Base: `{comp['base']}`. Evaluation: {comp['eval']}.", ""]
   out += ["## Claims", ""]
   for num, c in comp["claims"].items():

@@ -271,3 +271,30 @@ def test_launch_evaluate_script(run_dir, latest):
   assert rep["eval"]["num_tasks"] == 4 and rep["eval"]["num_samples"] == 2
   for f in EVAL_FILES:
     assert (w / "eval" / "2" / f).exists()
+
+
+def test_rerun_mode_one_run_per_budget(run_dir, tmp_path):
+  """Rerun mode (budget visible): one set of rollouts per listed T, the grid over those T."""
+  w = tmp_path / "rerun"
+  shutil.copytree(run_dir / "checkpoints", w / "checkpoints")
+  shutil.copytree(run_dir / "data", w / "data")
+  c = small_config()
+  c.eval.mode, c.eval.rerun_budgets = "rerun", "2,4"
+  rep = job.evaluate_checkpoint(c, w)
+  assert rep["eval"]["mode"] == "rerun" and rep["eval"]["budget_visible"]
+  g = rep["pass_at_kt"]
+  assert g["t"] == [2, 4] and g["k"] == [1, 2]
+  eps = np.load(pathlib.Path(rep["dir"]) / "episodes.npz")
+  st = eps["success_turn_by_t"]
+  assert st.shape == (2, 4, 2)
+  np.testing.assert_array_equal(eps["budgets"], [2, 4])
+  np.testing.assert_array_equal(eps["success_turn"], st[-1])
+  # K = 1: the fraction of run j's episodes solved within budgets[j], averaged over tasks.
+  np.testing.assert_allclose(g["mean"][0], [(st[0] <= 2).mean(), (st[1] <= 4).mean()])
+  # The agent was told its budget: every stored episode of the last run had budget 4 and the
+  # replayed states carry it.
+  assert np.all(eps["traj/budget"] == 4)
+  assert rep["stats"]["base"]["mean_budget"] == 4.0
+  for r in _rates(rep["step_quality"]):
+    if r["n"]:
+      assert 0 <= r["lo"] <= r["rate"] <= r["hi"] <= 1
