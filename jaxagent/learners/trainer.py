@@ -186,6 +186,15 @@ class _Phase:
     restored = self.ckpt.restore(step, abstract_state=_abstract(_state_dict(state)))
     return TrainState(**restored), step
 
+  def end_step(self, step: int, state: TrainState, guard: PreemptionGuard) -> None:
+    """Checkpoints (every checkpoint_every steps, and the last); on SIGTERM saves and exits."""
+    self.save(step, state, force=step == self.total)
+    if guard.should_stop(step):
+      self.save(step, state, force=True)
+      self.ckpt.wait_until_finished()
+      raise SystemExit(f"{self.name}: preempted; saved step {step}; rerun the same command to "
+                       "resume")
+
   def save(self, step: int, state: TrainState, force=False):
     self.ckpt.save(step, _state_dict(state), meta={"phase": self.name, "step": step,
                                                    FINGERPRINT_KEY: self.fingerprint}, force=force)
@@ -232,11 +241,7 @@ def run_sft(config, workdir, policy: Policy, env, params, fingerprint) -> Any:
                                    "tokens_per_second": float(np.sum(batch["length"])) / dt})
       bar.update(1)
       bar.set_postfix(loss=f"{float(metrics['loss']):.3f}")
-      phase.save(s + 1, state, force=s + 1 == c.steps)
-      if guard.should_stop(s + 1):
-        phase.save(s + 1, state, force=True)
-        phase.ckpt.wait_until_finished()
-        raise SystemExit(f"sft: preempted; saved step {s + 1}; rerun the same command to resume")
+      phase.end_step(s + 1, state, guard)
   phase.ckpt.wait_until_finished()
   bar.close()
   log.close()
@@ -285,11 +290,7 @@ def run_rl(config, workdir, policy: Policy, env, params, fingerprint) -> Any:
       bar.update(1)
       bar.set_postfix(success=f"{float(stats['success_rate']):.2f}",
                       turns=f"{float(stats['mean_turns']):.1f}")
-      phase.save(s + 1, state, force=s + 1 == c.steps)
-      if guard.should_stop(s + 1):
-        phase.save(s + 1, state, force=True)
-        phase.ckpt.wait_until_finished()
-        raise SystemExit(f"rl: preempted; saved step {s + 1}; rerun the same command to resume")
+      phase.end_step(s + 1, state, guard)
   phase.ckpt.wait_until_finished()
   bar.close()
   log.close()
