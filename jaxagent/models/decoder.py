@@ -31,17 +31,19 @@ _NEG = -1e30  # finite "minus infinity": fully masked rows stay NaN-free
 
 @struct.dataclass
 class KVCache:
-  k: jax.Array       # [layers, B, S, kv_heads, head_dim] compute dtype
-  v: jax.Array       # [layers, B, S, kv_heads, head_dim]
+  # Heads before slots: attention contracts [B, kv_heads] batches of [S, head_dim] matrices with
+  # no transpose of the cache (a [B, S, kv_heads, ...] layout made XLA copy it every step).
+  k: jax.Array       # [layers, B, kv_heads, S, head_dim] compute dtype
+  v: jax.Array       # [layers, B, kv_heads, S, head_dim]
   length: jax.Array  # [B] int32: number of valid slots per row
 
   @property
   def capacity(self) -> int:
-    return self.k.shape[2]
+    return self.k.shape[3]
 
 
 def init_cache(cfg: ModelConfig, batch: int, capacity: int) -> KVCache:
-  shape = (cfg.num_layers, batch, capacity, cfg.num_kv_heads, cfg.head_dim)
+  shape = (cfg.num_layers, batch, cfg.num_kv_heads, capacity, cfg.head_dim)
   return KVCache(k=jnp.zeros(shape, cfg.jnp_dtype), v=jnp.zeros(shape, cfg.jnp_dtype),
                  length=jnp.zeros((batch,), jnp.int32))
 
@@ -150,19 +152,22 @@ def _layer(cfg: ModelConfig, x_bld, p, cos, sin, mask_bls, k_cache, v_cache, wri
     q = rms_norm(q, p["q_norm"], cfg.rms_norm_eps)
     k = rms_norm(k, p["k_norm"], cfg.rms_norm_eps)
   q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+  k = k.transpose(0, 2, 1, 3)                                   # [B, kv_heads, L, hd]
+  v = v.transpose(0, 2, 1, 3)
   if k_cache is not None:
-    write = jax.vmap(lambda c, new, i: jax.lax.dynamic_update_slice(c, new, (i, 0, 0)))
+    write = jax.vmap(lambda c, new, i: jax.lax.dynamic_update_slice(c, new, (0, i, 0)))
     k_cache = write(k_cache, k.astype(k_cache.dtype), write_at)
     v_cache = write(v_cache, v.astype(v_cache.dtype), write_at)
     k, v = k_cache, v_cache
   b, l, nh, hd = q.shape
   groups = nh // cfg.num_kv_heads
-  q = q.reshape(b, l, cfg.num_kv_heads, groups, hd)
-  scores = jnp.einsum("blkgd,bskd->bkgls", q, k, preferred_element_type=jnp.float32)
+  q = q.reshape(b, l, cfg.num_kv_heads, groups, hd).transpose(0, 2, 3, 1, 4)   # [B, K, G, L, hd]
+  scores = jnp.einsum("bkgld,bksd->bkgls", q, k, preferred_element_type=jnp.float32)
   scores = scores * (hd ** -0.5)
   scores = jnp.where(mask_bls[:, None, None], scores, _NEG)
   probs = jax.nn.softmax(scores, axis=-1).astype(dt)
-  attn = jnp.einsum("bkgls,bskd->blkgd", probs, v).reshape(b, l, nh, hd)
+  attn = jnp.einsum("bkgls,bksd->bkgld", probs, v)
+  attn = attn.transpose(0, 3, 1, 2, 4).reshape(b, l, nh, hd)
   x_bld = x_bld + jnp.einsum("blhk,hkd->bld", attn, w("o_proj"))
   h = rms_norm(x_bld, p["mlp_norm"], cfg.rms_norm_eps)
   gate = jnp.einsum("bld,df->blf", h, w("gate_proj"))
@@ -208,13 +213,25 @@ def apply(cfg: ModelConfig, params: dict, tokens, positions=None, *, attention_m
   cos, sin = rope_tables(cfg, positions)
   x = jnp.take(params["embed"], tokens, axis=0).astype(cfg.jnp_dtype)
 
-  def body(x, xs):
-    p, kc, vc = xs
-    x, kc, vc = _layer(cfg, x, p, cos, sin, mask, kc, vc, write_at)
-    return x, (kc, vc)
+  if cache is None:
+    def body(x, p):
+      x, _, _ = _layer(cfg, x, p, cos, sin, mask, None, None, None)
+      return x, None
 
-  xs = (params["layers"], None if cache is None else cache.k, None if cache is None else cache.v)
-  x, (new_k, new_v) = jax.lax.scan(body, x, xs)
+    x, _ = jax.lax.scan(body, x, params["layers"])
+  else:
+    # The stacked cache rides in the carry and layer i updates its slice in place.
+    def body(carry, p):
+      x, k_all, v_all, i = carry
+      kc = jax.lax.dynamic_index_in_dim(k_all, i, keepdims=False)
+      vc = jax.lax.dynamic_index_in_dim(v_all, i, keepdims=False)
+      x, kc, vc = _layer(cfg, x, p, cos, sin, mask, kc, vc, write_at)
+      k_all = jax.lax.dynamic_update_index_in_dim(k_all, kc, i, 0)
+      v_all = jax.lax.dynamic_update_index_in_dim(v_all, vc, i, 0)
+      return (x, k_all, v_all, i + 1), None
+
+    (x, new_k, new_v, _), _ = jax.lax.scan(body, (x, cache.k, cache.v, jnp.int32(0)),
+                                           params["layers"])
   x = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
   new_cache = None
   if cache is not None:
