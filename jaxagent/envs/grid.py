@@ -24,6 +24,11 @@ Observation texts (exact; `{r}`/`{c}` decimal, `{dir}` as written in the call):
     left:\\n" + S lines of S cells ('#' wall, '.' free, 'T' trap, 'A' you, 'G' goal) + `LEGEND` +
     "You are at (r, c). Reach the goal at (r, c)." + the budget intro (see common.py).
   later observations: one of `STEP_MESSAGES` + the budget suffix.
+  With `hint=True`, the prompt's position sentence and every later observation's message are
+  followed by `hint_text(dr, dc)` for the agent's position then: " Goal direction: down, right."
+  (the directions that bring the agent nearer the goal ignoring walls; one word when it shares a
+  row or column with the goal). Walls still make a hinted move fail, so the hint makes the task
+  easy to read for a small model without making it trivial.
 
 Errors: parse_error (not `name(args)`), unknown_tool (not move/look), bad_arguments (unknown
 direction, move without exactly one argument, look with arguments), tool_failure (wall or edge).
@@ -84,6 +89,17 @@ _TYPO = ("mvoe({d})", "go({d})")                        # unknown_tool
 _MALFORMED = ("move {d}", "move({d}")                   # parse_error
 _WRONG_DIR = {"up": "north", "down": "south", "left": "west", "right": "east"}
 _BAD_ARGS = ("move({w})", "move()", "look({d})")        # bad_arguments (w: a compass word)
+
+
+def hint_text(dr: int, dc: int) -> str:
+  """The hint shown for a goal dr rows down and dc columns right of the agent (signs matter)."""
+  words = [w for w, on in (("up", dr < 0), ("down", dr > 0), ("left", dc < 0), ("right", dc > 0))
+           if on]
+  return " Goal direction: " + (", ".join(words) or "here") + "."
+
+
+# Row (sign(dr) + 1) * 3 + sign(dc) + 1 of the hint table.
+HINT_TEXTS = tuple(hint_text(dr, dc) for dr in (-1, 0, 1) for dc in (-1, 0, 1))
 
 
 @struct.dataclass
@@ -187,13 +203,15 @@ class GridEnv:
     num_traps: traps drawn (some may be carved away), 0 <= num_traps < size*size // 2.
     min_distance: the start is at least this many moves from the goal when the map allows
       (default: size).
+    hint: follow the position in every observation by the goal's direction (see the module
+      docstring).
   """
 
   name = "grid"
 
   def __init__(self, codec: TextCodec, size: int = 6, wall_density: float = 0.25,
-               num_traps: int = 2, min_distance: int | None = None, max_action_len: int = 32,
-               max_action_bytes: int = 64):
+               num_traps: int = 2, min_distance: int | None = None, hint: bool = False,
+               max_action_len: int = 32, max_action_bytes: int = 64):
     if not 2 <= size <= 16:
       raise ValueError(f"grid size must be in [2, 16], got {size}")
     if not 0.0 <= wall_density < 1.0:
@@ -205,6 +223,7 @@ class GridEnv:
     self.wall_density = float(wall_density)
     self.num_traps = int(num_traps)
     self.min_distance = int(size if min_distance is None else min_distance)
+    self.hint = bool(hint)
     self.max_action_len = int(max_action_len)
     self.max_action_bytes = int(max_action_bytes)
     c = codec
@@ -222,6 +241,7 @@ class GridEnv:
     self._reach = c.fragment("). Reach the goal at (")
     self._close = c.fragment(").")
     self.messages = MessageTable(c, STEP_MESSAGES, STEP_SLOTS)
+    self._hints = c.fragment_table(HINT_TEXTS)
     self._oracle_table = c.fragment_table([f"move({d})" for d in DIRECTIONS])
     errors, kinds, per_dir = [], [], []
     for d in DIRECTIONS:
@@ -284,6 +304,7 @@ class GridEnv:
     user = [self._map_intro, concat_rows(cells, self.codec.pad_id)]
     user += [self._legend_at, self._num(state.pos[0]), self._comma, self._num(state.pos[1]),
              self._reach, self._num(t.goal[0]), self._comma, self._num(t.goal[1]), self._close]
+    user += self._hint_pieces(state, state.pos)
     user += common.budget_intro(self.codec, state.budget)
     return self.codec.prompt([self._system], user)
 
@@ -299,13 +320,20 @@ class GridEnv:
     code = jnp.where((r == t.goal[0]) & (c == t.goal[1]), GOAL, code)
     return jnp.where(inside, code, 4).astype(jnp.int32)
 
+  def _hint_pieces(self, state: GridState, pos) -> list:
+    if not self.hint:
+      return []
+    d = jnp.sign(state.task.goal - pos)
+    return [self._hints.get((d[0] + 1) * 3 + d[1] + 1)]
+
   def _step_pieces(self, message, state: GridState, pos, direction):
     around = self._neighbour_codes(state, pos)
     body = self.messages.pieces(message, {
         "dir": self._dir_words.get(direction), "r": self._num(pos[0]), "c": self._num(pos[1]),
         "up": self._neighbour.get(around[0]), "down": self._neighbour.get(around[1]),
         "left": self._neighbour.get(around[2]), "right": self._neighbour.get(around[3])})
-    return self.codec.observation(body + common.budget_suffix(self.codec, state.budget, state.turn))
+    return self.codec.observation(body + self._hint_pieces(state, pos)
+                                  + common.budget_suffix(self.codec, state.budget, state.turn))
 
   def _pad(self, buf: TokenBuffer, n: int) -> TokenBuffer:
     pad = n - buf.tokens.shape[0]
@@ -421,6 +449,8 @@ class GridEnv:
     text = (f"Map, {self.size} rows by {self.size} columns; row 0 is the top, column 0 the left:\n"
             + self.map_text(task) + LEGEND
             + f"You are at ({start[0]}, {start[1]}). Reach the goal at ({goal[0]}, {goal[1]}).")
+    if self.hint:
+      text += hint_text(int(goal[0] - start[0]), int(goal[1] - start[1]))
     if budget >= 0:
       text += f"\nYou have {budget} turn{'s' if budget != 1 else ''}."
     return text

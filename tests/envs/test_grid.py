@@ -11,6 +11,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 import jaxagent.envs as envs
 from jaxagent.envs.base import ERROR_KIND_NAMES, ErrorKind
+from jaxagent.envs import grid
 from jaxagent.envs.grid import UNREACHABLE, GridTask
 
 K = ErrorKind
@@ -241,3 +242,22 @@ def test_the_same_text_tokenised_differently_acts_identically(gr, kit, tool, arg
   (s1, o1, i1), (s2, o2, i2) = gr.step(state, a), gr.step(state, b)
   for x, y in ((s1, s2), (o1, o2), (i1, i2)):
     jax.tree.map(np.testing.assert_array_equal, x, y)
+
+
+def test_hint_follows_every_observation(builtin_tokenizer, kit):
+  env = envs.make("grid", builtin_tokenizer, size=4, num_traps=1, hint=True)
+  codec, step = env.codec, jax.jit(env.step)
+  chat = codec.chat_text()
+  state, obs = jax.jit(env.reset)(jax.random.key(0), hand_task(), -1)
+  user = HAND_USER + " Goal direction: down, right."
+  assert env.prompt_user_text(hand_task()) == user
+  assert codec.decode(obs) == (chat["pre_system"] + SYSTEM + chat["system_to_user"] + user
+                               + chat["user_to_assistant"])
+  # The hint is of the position the message names: unchanged after an error, new after a move.
+  for action, text in [("move(up)", "Error: the edge of the grid blocks the way up from (0, 0)."
+                        " Goal direction: down, right."),
+                       ("move(down)", "You move down. You are at (1, 0). Goal direction: down, right."),
+                       ("move(down)", "You move down. You are at (2, 0). Goal direction: right.")]:
+    state, obs, _ = step(state, kit.action(codec, action, env.max_action_len))
+    assert codec.decode(obs) == chat["pre_obs"] + text + chat["obs_to_assistant"]
+  assert grid.HINT_TEXTS[0] == " Goal direction: up, left." and "here" in grid.HINT_TEXTS[4]
