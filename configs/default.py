@@ -21,7 +21,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
 
   c.model = ml_collections.ConfigDict()
   # builtin:NAME or a local Hugging Face directory.
-  c.model.path = "builtin:tiny"
+  c.model.path = "builtin:micro"
   # Compute dtype (activations, KV cache); parameters use param_dtype.
   c.model.dtype = "float32"
   c.model.param_dtype = "float32"
@@ -35,18 +35,21 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
 
   c.env = ml_collections.ConfigDict()
   # A name from jaxagent.envs.names().
-  c.env.name = "lookup"
-  # The family's difficulty knobs (see the environment's class docstring).
-  c.env.difficulty = ml_collections.ConfigDict({"hops": 2, "distractor_entities": 4})
+  c.env.name = "grid"
+  # The family's difficulty knobs (see the environment's class docstring). 5x5 maps, optimal
+  # paths of 3-5 moves for most tasks, one trap; the goal's direction follows every position
+  # (`hint`), which a 0.5M-parameter model learns from a few minutes of SFT.
+  c.env.difficulty = ml_collections.ConfigDict(
+      {"size": 5, "wall_density": 0.15, "num_traps": 1, "min_distance": 3, "hint": True})
 
   c.data = ml_collections.ConfigDict()
   # Where task splits and demonstrations are built ("" = <workdir>/data).
   c.data.dir = ""
   # Seed of the task splits (fixed, so every run evaluates on the same tasks).
   c.data.seed = 0
-  c.data.num_train = 2048
-  c.data.num_validation = 128
-  c.data.num_test = 256
+  c.data.num_train = 512
+  c.data.num_validation = 64
+  c.data.num_test = 128
   # Demonstrations for SFT: noisy-oracle episodes on the train tasks (per task), with errors
   # injected at demo_error_rate per turn and recovered from with demo_recovery_rate.
   c.data.demo_episodes_per_task = 2
@@ -54,20 +57,20 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.data.demo_recovery_rate = 0.6
   c.data.demo_max_turns = 8
   # Transcript capacity of a demonstration (tokens).
-  c.data.demo_max_len = 1024
+  c.data.demo_max_len = 768
 
   c.sft = ml_collections.ConfigDict()
   # Optimizer steps of supervised training (0 skips the phase).
-  c.sft.steps = 400
-  c.sft.batch_size = 32
-  c.sft.learning_rate = 2e-3
-  c.sft.warmup_steps = 20
+  c.sft.steps = 300
+  c.sft.batch_size = 16
+  c.sft.learning_rate = 3e-3
+  c.sft.warmup_steps = 10
   c.sft.weight_decay = 0.0
   c.sft.max_grad_norm = 1.0
 
   c.rl = ml_collections.ConfigDict()
   # RL updates (0 skips the phase).
-  c.rl.steps = 100
+  c.rl.steps = 30
   # Tasks per batch and episodes per task (a GRPO group).
   c.rl.num_tasks = 8
   c.rl.group_size = 8
@@ -87,21 +90,21 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       "clip_eps_high": 0.28, "aggregation": "token", "kl_coef": 0.0, "kl_estimator": "k3",
       "entropy_coef": 0.0, "success_reward": 1.0, "invalid_call_penalty": 0.0,
       "turn_cost": 0.0, "filter_equal_groups": False, "epochs": 1, "minibatches": 2,
-      "learning_rate": 2e-4, "warmup_steps": 5, "schedule": "constant", "weight_decay": 0.0,
+      "learning_rate": 1e-3, "warmup_steps": 3, "schedule": "constant", "weight_decay": 0.0,
       "max_grad_norm": 1.0,
   })
 
   # The study (jaxagent.study; python -m launch.study): three RL runs from the SFT base.
   c.study = ml_collections.ConfigDict()
-  # Fixed budget at the optimal number of turns (hops + 1 for lookup), a generous one, and the
-  # BudgetMix spec; eval.max_turns covers the largest.
-  c.study.tight_budget = "fixed:3"
+  # A fixed budget near the optimal number of turns (most test tasks need 3-5 moves), a generous
+  # one, and the BudgetMix spec; eval.max_turns covers the largest.
+  c.study.tight_budget = "fixed:4"
   c.study.generous_budget = "fixed:8"
-  c.study.mix_budget = "mix:3,5,8"
+  c.study.mix_budget = "mix:3,4,6,8"
 
   # Logging and checkpoints.
   c.log_every = 1
-  c.checkpoint_every = 25
+  c.checkpoint_every = 10
   c.max_to_keep = 2
   c.progress_bar = True
 
@@ -127,10 +130,13 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.eval.tasks_per_batch = 32
   # Reference states per source (oracle prefixes, base prefixes, base error states): a seeded
   # subset of at most this many (0 = all).
-  c.eval.max_reference_states = 512
+  c.eval.max_reference_states = 256
   # States per next-action batch, and trajectories per scoring batch.
   c.eval.state_batch = 64
   c.eval.score_batch = 32
+  # Trajectories per policy scored in the log-likelihood matrix: a seeded subset, the same rows
+  # for every policy (0 = all).
+  c.eval.likelihood_trajectories = 256
   # Bootstrap resamples and confidence level of every interval.
   c.eval.num_bootstrap = 1000
   c.eval.confidence = 0.95
@@ -146,16 +152,18 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.eval.curve_ks = "1,2,4,8"
 
   if variant == "quick":
-    # A few minutes on a 2-core CPU: the 0.5M-parameter model, fewer tasks and steps.
-    c.model.path = "builtin:micro"
-    c.data.num_train, c.data.num_validation, c.data.num_test = 256, 32, 64
-    c.sft.steps, c.sft.batch_size = 120, 16
-    c.rl.steps, c.rl.num_tasks, c.rl.group_size = 8, 4, 8
-    c.checkpoint_every = 4
+    # Under 5 minutes on a 2-core CPU: the same pipeline with fewer tasks and steps (the base
+    # policy is weaker and the intervals wider than the default's).
+    c.data.num_train, c.data.num_validation, c.data.num_test = 256, 16, 32
+    c.data.demo_episodes_per_task = 1
+    c.sft.steps = 80
+    c.rl.steps, c.rl.num_tasks, c.rl.group_size = 5, 4, 8
+    c.checkpoint_every = 5
+    c.eval.num_samples = 4
     c.eval.tasks_per_batch, c.eval.max_reference_states = 32, 64
-    c.eval.state_batch, c.eval.num_bootstrap = 32, 300
+    c.eval.state_batch, c.eval.likelihood_trajectories, c.eval.num_bootstrap = 32, 64, 300
   elif variant == "smoke":
-    c.model.path = "builtin:micro"
+    c.env.name = "lookup"
     c.env.difficulty = ml_collections.ConfigDict({"hops": 1, "distractor_entities": 2})
     c.data.num_train, c.data.num_validation, c.data.num_test = 64, 16, 16
     c.data.demo_episodes_per_task = 1
@@ -167,6 +175,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.eval.num_samples, c.eval.max_turns, c.eval.rerun_budgets = 4, 4, "2,3,4"
     c.eval.tasks_per_batch, c.eval.max_reference_states = 8, 24
     c.eval.state_batch, c.eval.score_batch, c.eval.num_bootstrap = 16, 16, 200
+    c.eval.likelihood_trajectories = 0
     c.eval.curve_ks = "1,2,4"
     c.study.tight_budget, c.study.generous_budget, c.study.mix_budget = "fixed:2", "fixed:4", "mix:2,4"
   return c

@@ -72,11 +72,13 @@ def run(config, workdir) -> dict:
       logging.info("study: training %s", label)
       trainer.run(c, run_dir)
     timings[f"train_{label}"] = time.perf_counter() - t0
+  evaluator = None   # one for all runs: compiled programs and the base's rollouts are shared
   for label, (c, run_dir) in runs.items():
     t0 = time.perf_counter()
     if not _evaluated(run_dir):
       logging.info("study: evaluating %s", label)
-      eval_job.evaluate_checkpoint(c, run_dir)
+      evaluator = evaluator or eval_job.Evaluator(runs[BASE][0], runs[BASE][1])
+      eval_job.evaluate_checkpoint(c, run_dir, evaluator=evaluator)
     timings[f"eval_{label}"] = time.perf_counter() - t0
   t0 = time.perf_counter()
   eval_config = runs[BASE][0]

@@ -178,6 +178,15 @@ class Evaluator:
     self.oracle = oracle_policy(self.env)
     self.next_action_fn = step_quality.make_next_action_fn(self.policy.config, self.env,
                                                            self.action_tokens)
+    # Rollouts that several evaluations share (the base policy's and the oracle's), by key.
+    self._memo: dict = {}
+
+  def memo(self, key, compute):
+    """compute() once per key for this evaluator (e.g. the base policy's runs, which every RL
+    run of a study compares against)."""
+    if key not in self._memo:
+      self._memo[key] = compute()
+    return self._memo[key]
 
   # -- rollouts -------------------------------------------------------------------------------
 
@@ -257,14 +266,27 @@ class Evaluator:
     return recovery.on_policy_recovery(traj, num_bootstrap=int(e.num_bootstrap),
                                        confidence=float(e.confidence), seed=int(e.seed))
 
+  def likelihood_rows(self, n: int) -> np.ndarray:
+    """The rows (of n) the likelihood matrix scores: a seeded subset of
+    config.eval.likelihood_trajectories rows (all when 0 or >= n), the same for every policy."""
+    m = int(self.config.eval.get("likelihood_trajectories", 0))
+    if m <= 0 or m >= n:
+      return np.arange(n)
+    rng = np.random.default_rng(int(self.config.eval.seed))
+    return np.sort(rng.choice(n, size=m, replace=False))
+
   def likelihoods(self, trajs: dict, params: dict) -> dict:
     e = self.config.eval
-    t = {k: {"tokens": v.tokens, "length": v.length, "loss_mask": v.loss_mask}
-         for k, v in trajs.items()}
+    t = {}
+    for k, v in trajs.items():
+      rows = self.likelihood_rows(int(np.asarray(v.length).shape[0]))
+      t[k] = {"tokens": np.asarray(v.tokens)[rows], "length": np.asarray(v.length)[rows],
+              "loss_mask": np.asarray(v.loss_mask)[rows]}
     out = likelihood.cross_likelihood(self.policy.config, t, params,
                                       temperature=float(e.temperature),
                                       batch_size=int(e.score_batch))
     out["temperature"] = float(e.temperature)
+    out["num_trajectories"] = {k: int(v["length"].shape[0]) for k, v in t.items()}
     return out
 
 
@@ -304,9 +326,10 @@ def per_task_pass1(mode: str, success_by_t: np.ndarray, budgets, t_max: int) -> 
 # ---- one checkpoint -------------------------------------------------------------------------------
 
 
-def _base_params(ev: Evaluator, workdir, phase: str):
-  """(params, description) of the base policy (see config.eval.base_workdir)."""
-  e, m = ev.config.eval, ev.config.model
+def _base_params(ev: Evaluator, config, workdir, phase: str):
+  """(params, description) of the base policy of the run `config` trained in `workdir` (see
+  config.eval.base_workdir)."""
+  e, m = config.eval, config.model
   src = e.base_workdir or m.init_from
   if src:
     p, s = resolve_checkpoint(src)
@@ -376,7 +399,7 @@ def evaluate_checkpoint(config, workdir, step: int | None = None, *,
     tick[0] = now
 
   params = restore_params(workdir, phase, step, ev.abstract)
-  base_params, base_desc = _base_params(ev, workdir, phase)
+  base_params, base_desc = _base_params(ev, config, workdir, phase)
   logging.info("evaluating %s %s step %d (base: %s)", workdir, phase, step, base_desc)
   key = jax.random.key(int(e.seed))
   k_roll, k_oracle, k_act = jax.random.split(key, 3)
@@ -397,10 +420,12 @@ def evaluate_checkpoint(config, workdir, step: int | None = None, *,
   t_top = ev.t_max if e.mode == "truncation" else ev.budgets[-1]
 
   # The base policy's runs at the same budget and keys; the oracle's (forced) runs.
-  base_traj = ev.rollouts(base_params, k_roll, t_top, budget_visible=ev.budget_visible,
-                          temperature=temp)
-  oracle_traj = ev.rollouts(params, k_oracle, t_top, budget_visible=ev.budget_visible,
-                            temperature=temp, group_size=1, forced_action=ev.oracle)
+  base_traj = ev.memo(("base", base_desc, t_top), lambda: ev.rollouts(
+      base_params, k_roll, t_top, budget_visible=ev.budget_visible, temperature=temp))
+  # Forced oracle actions: the transcript does not depend on the params rolled out with.
+  oracle_traj = ev.memo(("oracle", t_top), lambda: ev.rollouts(
+      params, k_oracle, t_top, budget_visible=ev.budget_visible, temperature=temp, group_size=1,
+      forced_action=ev.oracle))
   lap("base_and_oracle_rollouts")
   refs, errs = ev.reference_states(oracle_traj, base_traj, ev.budget_visible)
   lap("replay")

@@ -57,7 +57,11 @@ def score_rows(mcfg: ModelConfig, params, tokens: np.ndarray, length: np.ndarray
   padded with copies of row 0, dropped), so one compiled program serves any B."""
   tokens = np.asarray(tokens, np.int32)
   length = np.asarray(length, np.int32)
-  b = tokens.shape[0]
+  b, full = tokens.shape
+  # Score only the used prefix (rounded up to 128 columns so few shapes compile): rollouts
+  # reserve room for the longest turns, most of which is padding.
+  keep = min(full, max(128, -(-int(length.max(initial=0)) // 128) * 128))
+  tokens = tokens[:, :keep]
   out = []
   for start in range(0, b, batch_size):
     idx = np.arange(start, start + batch_size)
@@ -66,7 +70,9 @@ def score_rows(mcfg: ModelConfig, params, tokens: np.ndarray, length: np.ndarray
     lp = _logprobs(mcfg, params, jnp.asarray(tokens[idx]), jnp.asarray(length[idx]),
                    jnp.float32(temperature))
     out.append(np.asarray(lp)[real])
-  return np.concatenate(out) if out else np.zeros(tokens.shape, np.float32)
+  if not out:
+    return np.zeros((b, full), np.float32)
+  return np.pad(np.concatenate(out), ((0, 0), (0, full - keep)))
 
 
 def cross_likelihood(mcfg: ModelConfig, trajectories: dict, params: dict, *, temperature: float,

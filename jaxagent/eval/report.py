@@ -12,6 +12,7 @@ if both occur, "inconclusive" if no run decided it. No rule refers to any publis
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from typing import Sequence
@@ -52,11 +53,12 @@ CLAIMS = {
 }
 
 RULES = {
-    1: "Pass@(1,T). T_tight = the smallest evaluated T >= every test task's optimal number of turns; "
-       "T_gen = the largest evaluated T. gain(T) = Pass_RL(1,T) - Pass_base(1,T); "
+    1: "Pass@(1,T). T_tight is per task: the smallest evaluated T >= that task's optimal number "
+       "of turns (no slack for a single wasted turn); T_gen = the largest evaluated T. "
+       "gain(T) = Pass_RL(1,T) - Pass_base(1,T), averaged over tasks; "
        "D = gain(T_gen) - gain(T_tight). Per RL run: held iff lo(D) > 0 and lo(gain(T_gen)) > 0; "
        "not held iff hi(D) < 0 or hi(gain(T_gen)) < 0; else inconclusive (also when "
-       "T_tight = T_gen). Intervals: paired bootstrap over tasks.",
+       "T_tight = T_gen for every task). Intervals: paired bootstrap over tasks.",
     2: "Valid-call rates of sampled actions. d_step = step-quality rate RL - base on the common "
        "reference states; d_rec = controlled recovery rate RL - base on the common error states; "
        "D = d_rec - d_step. Per fixed-T RL run: held iff lo(D) > 0; not held iff hi(D) < 0; else "
@@ -162,26 +164,53 @@ def combine(verdicts: Sequence[str]) -> str:
 # ---- claims -------------------------------------------------------------------------------------
 
 
-def tight_generous(t_values: Sequence[int], optimal_turns: np.ndarray) -> tuple[int, int]:
-  """(T_tight, T_gen) of claim 1's rule; T_tight = T_gen when no smaller T qualifies."""
-  t_values = sorted(int(t) for t in t_values)
-  need = int(np.max(optimal_turns)) if len(optimal_turns) else 1
-  ok = [t for t in t_values if t >= need]
-  return (ok[0] if ok else t_values[-1]), t_values[-1]
+def tight_generous(t_values: Sequence[int], optimal_turns: np.ndarray) -> tuple[np.ndarray, int]:
+  """(T_tight [tasks], T_gen) of claim 1's rule: per task the smallest evaluated T >= its optimal
+  turns (T_gen where none is), and the largest evaluated T."""
+  t_values = np.asarray(sorted(int(t) for t in t_values))
+  opt = np.asarray(optimal_turns, np.int64).reshape(-1)
+  idx = np.minimum(np.searchsorted(t_values, opt, side="left"), len(t_values) - 1)
+  return t_values[idx], int(t_values[-1])
+
+
+def at_budget(p: np.ndarray, t_values, t) -> np.ndarray:
+  """Per-task values of p [tasks, len(t_values)] at budget t: one T for all tasks, or [tasks]."""
+  t_values = [int(v) for v in t_values]
+  t = np.asarray(t)
+  if t.ndim == 0:
+    return p[:, t_values.index(int(t))]
+  cols = np.asarray([t_values.index(int(x)) for x in t], np.int64)
+  return p[np.arange(p.shape[0]), cols]
+
+
+def describe_budget(t) -> int | dict:
+  """JSON form of a budget: the T, or a summary of per-task budgets."""
+  t = np.asarray(t)
+  if t.ndim == 0:
+    return int(t)
+  counts = {int(v): int(c) for v, c in zip(*np.unique(t, return_counts=True))}
+  return {"per_task": True, "mean": float(t.mean()) if t.size else None, "tasks_at": counts}
+
+
+def fmt_budget(t) -> str:
+  if isinstance(t, dict):
+    at = ", ".join(f"T={v}: {c}" for v, c in t["tasks_at"].items())
+    return f"per task (mean {t['mean']:.2f}; tasks at {at})"
+  return str(t)
 
 
 def claim_budget_gain(pass1: dict[str, np.ndarray], t_values, t_tight: int, t_gen: int, base: str,
                       rl: Sequence[str], w: np.ndarray, confidence: float) -> dict:
   """Claim 1. pass1[label] = per-task Pass@(1,T) [tasks, len(t_values)]; w: task resampling."""
-  t_values = list(t_values)
-  it, ig = t_values.index(t_tight), t_values.index(t_gen)
+  at = functools.partial(at_budget, t_values=t_values)
+  same = bool(np.all(np.asarray(t_tight) == t_gen))
   per = {}
   for r in rl:
     g = pass1[r] - pass1[base]
-    gain_t = paired_diff(pass1[r][:, it], pass1[base][:, it], w, confidence)
-    gain_g = paired_diff(pass1[r][:, ig], pass1[base][:, ig], w, confidence)
-    d = paired_diff(g[:, ig], g[:, it], w, confidence)
-    if t_tight == t_gen:
+    gain_t = paired_diff(at(pass1[r], t=t_tight), at(pass1[base], t=t_tight), w, confidence)
+    gain_g = paired_diff(at(pass1[r], t=t_gen), at(pass1[base], t=t_gen), w, confidence)
+    d = paired_diff(at(g, t=t_gen), at(g, t=t_tight), w, confidence)
+    if same:
       v = INCONCLUSIVE
     elif _lo(d) > 0 and _lo(gain_g) > 0:
       v = HELD
@@ -190,11 +219,11 @@ def claim_budget_gain(pass1: dict[str, np.ndarray], t_values, t_tight: int, t_ge
     else:
       v = INCONCLUSIVE
     per[r] = {"verdict": v, "gain_tight": gain_t, "gain_generous": gain_g, "D": d,
-              "pass_rl_tight": float(pass1[r][:, it].mean()),
-              "pass_rl_generous": float(pass1[r][:, ig].mean()),
-              "pass_base_tight": float(pass1[base][:, it].mean()),
-              "pass_base_generous": float(pass1[base][:, ig].mean())}
-  return {"T_tight": t_tight, "T_gen": t_gen, "per_run": per}
+              "pass_rl_tight": float(at(pass1[r], t=t_tight).mean()),
+              "pass_rl_generous": float(at(pass1[r], t=t_gen).mean()),
+              "pass_base_tight": float(at(pass1[base], t=t_tight).mean()),
+              "pass_base_generous": float(at(pass1[base], t=t_gen).mean())}
+  return {"T_tight": describe_budget(t_tight), "T_gen": t_gen, "per_run": per}
 
 
 def claim_recovery_vs_step(step: dict[str, np.ndarray], rec: dict[str, np.ndarray], base: str,
@@ -225,15 +254,15 @@ def claim_budgetmix(pass1: dict[str, np.ndarray], t_values, t_tight: int, t_gen:
                     fixed: Sequence[str], w: np.ndarray, num_bootstrap: int, confidence: float,
                     seed: int) -> dict:
   """Claim 3 (see RULES[3])."""
-  t_values = list(t_values)
-  ts = sorted({t_tight, t_gen})
+  at = functools.partial(at_budget, t_values=t_values)
+  ts = {"tight": t_tight, "generous": t_gen}
   ws = resample_weights(len(step[base]), num_bootstrap, np.random.default_rng(seed))
   per = {}
   for m in mix:
-    vs_base = {t: paired_diff(pass1[m][:, t_values.index(t)], pass1[base][:, t_values.index(t)],
-                              w, confidence) for t in ts}
-    fixed_better = {f: {t: paired_diff(pass1[f][:, t_values.index(t)],
-                                       pass1[m][:, t_values.index(t)], w, confidence) for t in ts}
+    vs_base = {n: paired_diff(at(pass1[m], t=t), at(pass1[base], t=t), w, confidence)
+               for n, t in ts.items()}
+    fixed_better = {f: {n: paired_diff(at(pass1[f], t=t), at(pass1[m], t=t), w, confidence)
+                        for n, t in ts.items()}
                     for f in fixed}
     ds = np.asarray(step[m], float) - np.asarray(step[base], float)
     d_step = interval(ws @ ds, confidence, ds.mean()) if len(ds) else None
@@ -251,7 +280,7 @@ def claim_budgetmix(pass1: dict[str, np.ndarray], t_values, t_tight: int, t_gen:
               "fixed_minus_mix": {f: {str(t): i for t, i in d.items()}
                                   for f, d in fixed_better.items()},
               "d_step": d_step}
-  return {"T_tight": t_tight, "T_gen": t_gen, "per_run": per}
+  return {"T_tight": describe_budget(t_tight), "T_gen": t_gen, "per_run": per}
 
 
 def claim_likelihood(per_traj: dict, base: str, rl: Sequence[str], num_bootstrap: int,
@@ -421,8 +450,8 @@ def _claim_numbers(num: int, per: dict) -> str:
     return (f"d_rec {fmt_interval(per['d_rec'])}, d_step {fmt_interval(per['d_step'])}, D "
             f"{fmt_interval(per['D'])}; step quality dropped: {per['step_quality_dropped']}")
   if num == 3:
-    g = ", ".join(f"T={t}: {fmt_interval(i)}" for t, i in per["gain_vs_base"].items())
-    f = "; ".join(f"{lab} - mix " + ", ".join(f"T={t}: {fmt_interval(i)}" for t, i in d.items())
+    g = ", ".join(f"T_{t}: {fmt_interval(i)}" for t, i in per["gain_vs_base"].items())
+    f = "; ".join(f"{lab} - mix " + ", ".join(f"T_{t}: {fmt_interval(i)}" for t, i in d.items())
                   for lab, d in per["fixed_minus_mix"].items())
     return f"vs base {g}; {f or 'no fixed-T run'}; d_step {fmt_interval(per['d_step'])}"
   if num == 4:
@@ -442,7 +471,7 @@ def comparison_markdown(comp: dict) -> str:
   for num, c in comp["claims"].items():
     out += [f"### Claim {num}: **{c['verdict']}**", "", c["claim"], "", f"Rule: {c['rule']}", ""]
     if "T_tight" in c:
-      out += [f"T_tight = {c['T_tight']}, T_gen = {c['T_gen']}.", ""]
+      out += [f"T_tight = {fmt_budget(c['T_tight'])}, T_gen = {c['T_gen']}.", ""]
     out += [f"- `{lab}`: **{p['verdict']}** - {_claim_numbers(int(num), p)}"
             for lab, p in c["per_run"].items()]
     if c.get("note"):

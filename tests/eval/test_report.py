@@ -23,9 +23,15 @@ def test_combine_and_tight_generous():
   assert report.combine([NOT_HELD, INCONCLUSIVE]) == NOT_HELD
   assert report.combine([INCONCLUSIVE]) == INCONCLUSIVE
   assert report.combine([]) == INCONCLUSIVE
-  assert report.tight_generous(range(1, 9), np.array([2, 3, 3])) == (3, 8)
-  assert report.tight_generous([2, 4, 8], np.array([3])) == (4, 8)
-  assert report.tight_generous([2, 4], np.array([9])) == (4, 4)
+  tight, gen = report.tight_generous(range(1, 9), np.array([2, 3, 3, 9]))
+  assert tight.tolist() == [2, 3, 3, 8] and gen == 8
+  tight, gen = report.tight_generous([2, 4, 8], np.array([3, 1, 4]))
+  assert tight.tolist() == [4, 2, 4] and gen == 8
+  p = np.arange(12.0).reshape(4, 3)     # [tasks, T in (2, 4, 8)]
+  assert report.at_budget(p, [2, 4, 8], np.array([2, 4, 8, 4])).tolist() == [0, 4, 8, 10]
+  assert report.at_budget(p, [2, 4, 8], 8).tolist() == [2, 5, 8, 11]
+  assert report.describe_budget(np.array([2, 4, 4])) == {"per_task": True, "mean": 10 / 3,
+                                                          "tasks_at": {2: 1, 4: 2}}
 
 
 def test_resample_weights_are_bootstrap_means():
@@ -62,6 +68,12 @@ def test_claim1_budget_gain_rules():
   assert p["noise"]["verdict"] == INCONCLUSIVE
   assert p["noise"]["D"]["lo"] < 0 < p["noise"]["D"]["hi"]
   assert p["gen_only"]["pass_base_generous"] == pytest.approx(0.2)
+  # Per-task tight budgets: each task read at its own T.
+  half = np.where(np.arange(TASKS) % 2 == 0, 3, 2)
+  r2 = report.claim_budget_gain(pass1, t_values, half, 4, "base", ["gen_only"], _w(), CONF)
+  assert r2["per_run"]["gen_only"]["gain_tight"]["est"] == pytest.approx(0.0)
+  assert r2["per_run"]["gen_only"]["pass_base_tight"] == pytest.approx(0.1)   # 0.2 and 0 halves
+  assert r2["T_tight"]["tasks_at"] == {2: TASKS // 2, 3: TASKS - TASKS // 2}
   same_t = report.claim_budget_gain(pass1, t_values, 4, 4, "base", ["gen_only"], _w(), CONF)
   assert same_t["per_run"]["gen_only"]["verdict"] == INCONCLUSIVE
   claim = report.finish_claim(1, r)
@@ -104,7 +116,7 @@ def test_claim3_budgetmix_rules():
   r = report.claim_budgetmix(pass1, t_values, 2, 4, step, "base", ["mix"], ["fixed"], _w(), NB,
                              CONF, 0)
   assert r["per_run"]["mix"]["verdict"] == HELD
-  assert r["per_run"]["mix"]["gain_vs_base"]["2"]["est"] == pytest.approx(0.4)
+  assert r["per_run"]["mix"]["gain_vs_base"]["tight"]["est"] == pytest.approx(0.4)
   # A fixed-T run significantly better at the tight budget: not robust.
   r = report.claim_budgetmix(pass1, t_values, 2, 4, step, "base", ["mix"],
                              ["fixed", "fixed_tight"], _w(), NB, CONF, 0)
