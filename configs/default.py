@@ -148,6 +148,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # Base policy: a workdir whose latest checkpoint is the base ("" = model.init_from, else this
   # workdir's latest SFT checkpoint when evaluating RL, else the model's own weights).
   c.eval.base_workdir = ""
+  # More environments for step-level quality by environment: every policy also acts on the
+  # oracle's prefixes of each one's fixed test tasks, e.g. "lookup:hops=1;arithmetic:num_ops=2"
+  # (name:knob=value,...; separated by ';'; "" = only the config's environment).
+  c.eval.extra_envs = ""
   # K values of the pass-vs-T curves (those <= num_samples are drawn).
   c.eval.curve_ks = "1,2,4,8"
 

@@ -28,6 +28,7 @@ One evaluation writes `<workdir>/eval/<name>/` with name = the step for the RL p
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import pathlib
@@ -35,6 +36,7 @@ import time
 
 import jax
 import jax.numpy as jnp
+import ml_collections
 import numpy as np
 from absl import logging
 
@@ -130,6 +132,56 @@ def _take(tree, idx):
   return jax.tree.map(lambda x: x[idx], tree)
 
 
+def parse_env_specs(spec: str) -> list[tuple[str, dict]]:
+  """"name:knob=value,knob=value;name2:..." -> [(name, knobs)]; values are JSON literals where
+  they parse (1, 0.2, true), else strings. Empty -> []."""
+  out = []
+  for part in str(spec or "").split(";"):
+    part = part.strip()
+    if not part:
+      continue
+    name, _, knobs = part.partition(":")
+    kw = {}
+    for item in filter(None, (x.strip() for x in knobs.split(","))):
+      k, eq, v = item.partition("=")
+      if not eq or not k.strip():
+        raise ValueError(f"config.eval.extra_envs={spec!r}: {item!r} is not knob=value; write "
+                         "e.g. 'lookup:hops=1,distractor_entities=2;arithmetic:num_ops=2'")
+      try:
+        kw[k.strip()] = json.loads(v.strip())
+      except json.JSONDecodeError:
+        kw[k.strip()] = v.strip()
+    out.append((name.strip(), kw))
+  return out
+
+
+class EnvSet:
+  """One more environment whose oracle prefixes every policy is asked to act on (step-level
+  quality by environment): its test tasks (the same fixed split training on it would use) and its
+  compiled next-action program."""
+
+  def __init__(self, config, name: str, knobs: dict, workdir, policy):
+    from jaxagent.data.tasks import tasks_from_arrays
+    from jaxagent.learners import trainer
+    c = copy.deepcopy(config)
+    with c.unlocked():
+      c.env.name = name
+      c.env.difficulty = ml_collections.ConfigDict(knobs)
+    self.config = c
+    self.label = name + ("(" + ",".join(f"{k}={v}" for k, v in sorted(knobs.items())) + ")"
+                         if knobs else "")
+    self.env = trainer.make_env(c, policy.tokenizer)
+    arrays = trainer.load_tasks(c, workdir, "test")
+    if config.eval.num_tasks:
+      arrays = {k: v[:config.eval.num_tasks] for k, v in arrays.items()}
+    self.tasks = tasks_from_arrays(self.env, arrays)
+    self.num_tasks = int(jax.tree.leaves(self.tasks)[0].shape[0])
+    self.action_tokens = min(int(config.eval.max_action_tokens or self.env.max_action_len),
+                             int(self.env.max_action_len))
+    self.next_action_fn = step_quality.make_next_action_fn(policy.config, self.env,
+                                                           self.action_tokens)
+
+
 _ORACLES: dict = {}
 
 
@@ -180,6 +232,10 @@ class Evaluator:
                                                            self.action_tokens)
     # Rollouts that several evaluations share (the base policy's and the oracle's), by key.
     self._memo: dict = {}
+    # More environments for step-level quality by environment (config.eval.extra_envs).
+    self.extra = [EnvSet(config, name, knobs, workdir if workdir is not None else
+                         config.data.dir or ".", self.policy)
+                  for name, knobs in parse_env_specs(e.get("extra_envs", ""))]
 
   def memo(self, key, compute):
     """compute() once per key for this evaluator (e.g. the base policy's runs, which every RL
@@ -191,22 +247,27 @@ class Evaluator:
   # -- rollouts -------------------------------------------------------------------------------
 
   def rollouts(self, params, key, budget: int, *, budget_visible: bool, temperature: float,
-               group_size: int | None = None, forced_action=None) -> Trajectory:
+               group_size: int | None = None, forced_action=None,
+               env_set: EnvSet | None = None) -> Trajectory:
     """Episodes of every test task (group_size each, default num_samples), as one numpy
     Trajectory with rows task-major (row = task * group_size + j) and task_id = the index of
     the task in the test split. Tasks go in fixed-size batches (the last padded with task 0),
     batch i with key fold_in(key, i), so one program serves every call with the same T_max
-    (budgets are traced). forced_action: see `jaxagent.rollout.rollout` (e.g. `self.oracle`)."""
+    (budgets are traced). forced_action: see `jaxagent.rollout.rollout` (e.g. `self.oracle`).
+    env_set: one of `self.extra` instead of the config's environment and test tasks."""
     e = self.config.eval
+    env, tasks, num_tasks, action_tokens = (
+        (self.env, self.tasks, self.num_tasks, self.action_tokens) if env_set is None else
+        (env_set.env, env_set.tasks, env_set.num_tasks, env_set.action_tokens))
     g = int(group_size or e.num_samples)
-    per = min(int(e.tasks_per_batch), self.num_tasks)
+    per = min(int(e.tasks_per_batch), num_tasks)
     parts = []
-    for i, start in enumerate(range(0, self.num_tasks, per)):
+    for i, start in enumerate(range(0, num_tasks, per)):
       idx = np.arange(start, start + per)
-      real = idx < self.num_tasks
+      real = idx < num_tasks
       idx = np.where(real, idx, 0)
-      traj = rollout(self.policy, self.env, jax.random.fold_in(key, i), _take(self.tasks, idx),
-                     g, budget, max_turns=self.t_max, max_action_tokens=self.action_tokens,
+      traj = rollout(self.policy, env, jax.random.fold_in(key, i), _take(tasks, idx),
+                     g, budget, max_turns=self.t_max, max_action_tokens=action_tokens,
                      budget_visible=budget_visible, temperature=temperature, params=params,
                      forced_action=forced_action)
       traj = jax.device_get(traj)
@@ -246,13 +307,47 @@ class Evaluator:
                                          jax.random.fold_in(key, i), temps[m], int(e.state_batch))
             for i, m in enumerate(step_quality.MODES)}
 
-  def quality(self, outcomes, refs) -> dict:
+  def extra_states(self, params, key) -> list:
+    """[(env_set, oracle reference states)] of every extra environment (computed once)."""
+    def build():
+      e = self.config.eval
+      out = []
+      for j, es in enumerate(self.extra):
+        traj = self.rollouts(params, jax.random.fold_in(key, j), self.t_max, budget_visible=False,
+                             temperature=float(e.temperature), group_size=1,
+                             forced_action=oracle_policy(es.env), env_set=es)
+        refs = step_quality.reference_states(
+            es.env, _take(es.tasks, jnp.asarray(traj.task_id)), traj, traj.acted,
+            source="oracle", budget_visible=False, max_states=int(e.max_reference_states),
+            seed=int(e.seed), row_batch=int(e.tasks_per_batch))
+        out.append((es, refs))
+      return out
+    return self.memo(("extra_states", self.t_max), build)
+
+  def act_extra(self, params, key, extra_states) -> list[dict]:
+    """Per extra environment: {mode: next-action outcomes} on its oracle reference states."""
     e = self.config.eval
-    groups = {"source": refs.source, "env": np.full((len(refs),), self.env.name)}
-    return {m: step_quality.quality_rates(o["valid_call"], o["oracle_match"], groups,
-                                          num_bootstrap=int(e.num_bootstrap),
+    temps = {"greedy": 0.0, "sampled": float(e.temperature)}
+    return [{m: step_quality.next_actions(es.next_action_fn, params, refs,
+                                          jax.random.fold_in(key, i), temps[m],
+                                          int(e.state_batch))
+             for i, m in enumerate(step_quality.MODES)} for es, refs in extra_states]
+
+  def quality(self, outcomes, refs, extra_outcomes=(), extra_states=()) -> dict:
+    """Step-quality rates overall, by source and by environment: the config's environment's
+    reference states plus each extra environment's oracle states."""
+    e = self.config.eval
+    sources = [refs.source] + [r.source for _, r in extra_states]
+    names = [np.full((len(refs),), self.env.name)] + [np.full((len(r),), es.label)
+                                                     for es, r in extra_states]
+    groups = {"source": np.concatenate(sources), "env": np.concatenate(names)}
+    out = {}
+    for m, o in outcomes.items():
+      valid = np.concatenate([o["valid_call"]] + [x[m]["valid_call"] for x in extra_outcomes])
+      match = np.concatenate([o["oracle_match"]] + [x[m]["oracle_match"] for x in extra_outcomes])
+      out[m] = step_quality.quality_rates(valid, match, groups, num_bootstrap=int(e.num_bootstrap),
                                           confidence=float(e.confidence), seed=int(e.seed))
-            for m, o in outcomes.items()}
+    return out
 
   def recovery_rates(self, outcomes, errs) -> dict:
     e = self.config.eval
@@ -432,6 +527,8 @@ def evaluate_checkpoint(config, workdir, step: int | None = None, *,
   who = {POLICY: params, BASE: base_params}
   sq_out = {w: ev.act(p, refs, k_act) for w, p in who.items()}
   rec_out = {w: ev.act(p, errs, k_act) for w, p in who.items()}
+  extra = ev.extra_states(params, k_oracle)
+  sq_extra = {w: ev.act_extra(p, k_act, extra) for w, p in who.items()}
   lap("next_actions")
   train = _train_config(workdir, config)
   rep = {
@@ -448,8 +545,9 @@ def evaluate_checkpoint(config, workdir, step: int | None = None, *,
       "pass_at_kt": grid,
       "stats": {POLICY: _stats(traj), BASE: _stats(base_traj), "oracle": _stats(oracle_traj)},
       "reference_states": {"oracle": int(np.sum(refs.source == "oracle")),
-                           "base": int(np.sum(refs.source == "base")), "error": len(errs)},
-      "step_quality": {w: ev.quality(o, refs) for w, o in sq_out.items()},
+                           "base": int(np.sum(refs.source == "base")), "error": len(errs),
+                           "extra_envs": {es.label: len(r) for es, r in extra}},
+      "step_quality": {w: ev.quality(o, refs, sq_extra[w], extra) for w, o in sq_out.items()},
       "recovery": {"on_policy": {POLICY: ev.on_policy(traj), BASE: ev.on_policy(base_traj)},
                    "controlled": {w: ev.recovery_rates(o, errs) for w, o in rec_out.items()}},
   }
@@ -636,6 +734,8 @@ def compare(runs: dict[str, str], out_dir, config, base: str = "base") -> dict:
   refs, errs = ev.reference_states(oracle_traj, trajs[base], vis)
   sq_out = {lab: ev.act(p, refs, k_act) for lab, p in params.items()}
   rec_out = {lab: ev.act(p, errs, k_act) for lab, p in params.items()}
+  extra = ev.extra_states(params[base], k_oracle)
+  sq_extra = {lab: ev.act_extra(p, k_act, extra) for lab, p in params.items()}
   lik = ev.likelihoods(trajs, params)
   per_traj = lik.pop("per_trajectory")
 
@@ -674,8 +774,10 @@ def compare(runs: dict[str, str], out_dir, config, base: str = "base") -> dict:
       "claims": {str(k): v for k, v in claims.items()},
       "pass_at_kt": {lab: rep["pass_at_kt"] for lab, (rep, _) in evals.items()},
       "reference_states": {"oracle": int(np.sum(refs.source == "oracle")),
-                           "base": int(np.sum(refs.source == "base")), "error": len(errs)},
-      "step_quality": {lab: ev.quality(o, refs) for lab, o in sq_out.items()},
+                           "base": int(np.sum(refs.source == "base")), "error": len(errs),
+                           "extra_envs": {es.label: len(r) for es, r in extra}},
+      "step_quality": {lab: ev.quality(o, refs, sq_extra[lab], extra)
+                       for lab, o in sq_out.items()},
       "recovery": {"controlled": {lab: ev.recovery_rates(o, errs) for lab, o in rec_out.items()},
                    "on_policy": {lab: ev.on_policy(t) for lab, t in trajs.items()}},
       "likelihood": lik,

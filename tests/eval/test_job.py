@@ -298,3 +298,36 @@ def test_rerun_mode_one_run_per_budget(run_dir, tmp_path):
   for r in _rates(rep["step_quality"]):
     if r["n"]:
       assert 0 <= r["lo"] <= r["rate"] <= r["hi"] <= 1
+
+
+def test_parse_env_specs():
+  assert job.parse_env_specs("") == []
+  assert job.parse_env_specs("grid:size=4,hint=true; lookup") == [
+      ("grid", {"size": 4, "hint": True}), ("lookup", {})]
+  with pytest.raises(ValueError, match="knob=value"):
+    job.parse_env_specs("grid:size")
+
+
+def test_step_quality_by_environment(run_dir, tmp_path):
+  """With extra environments, every policy acts on each one's oracle prefixes too, and the
+  report breaks step quality down by environment (the counts add up to the overall)."""
+  c = small_config()
+  c.eval.extra_envs = "grid:size=4,num_traps=0,min_distance=2;arithmetic:num_ops=1"
+  c.data.dir = str(tmp_path / "data")       # the extra environments' test splits go here
+  ev_x = job.Evaluator(c, run_dir)
+  assert [es.label for es in ev_x.extra] == ["grid(min_distance=2,num_traps=0,size=4)",
+                                              "arithmetic(num_ops=1)"]
+  rep = job.evaluate_checkpoint(c, run_dir, evaluator=ev_x)
+  counts = rep["reference_states"]["extra_envs"]
+  # The oracle's prefixes: grid tasks take >= 2 moves, arithmetic(num_ops=1) one call + answer.
+  assert counts["grid(min_distance=2,num_traps=0,size=4)"] >= 2 * 4
+  assert counts["arithmetic(num_ops=1)"] == 2 * 4
+  main = rep["reference_states"]["oracle"] + rep["reference_states"]["base"]
+  for who in ("policy", "base"):
+    for mode in ("greedy", "sampled"):
+      q = rep["step_quality"][who][mode]
+      by_env = {k: v["valid"]["n"] for k, v in q["env"].items()}
+      assert by_env == {"lookup": main, **counts}
+      assert q["overall"]["valid"]["n"] == main + sum(counts.values())
+      assert q["source"]["oracle"]["valid"]["n"] == rep["reference_states"]["oracle"] + sum(
+          counts.values())
