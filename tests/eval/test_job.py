@@ -208,6 +208,37 @@ def test_watch_evaluates_each_remaining_checkpoint(run_dir, ev, latest):
                    evaluator=ev) == []
 
 
+def test_watch_follows_a_training_run_as_it_writes(tmp_path, ev):
+  """Watch started (in a thread) on an empty workdir: it waits for the first checkpoint,
+  evaluates each one the training run (main thread: it installs the SIGTERM handler) writes, and
+  returns once the run is DONE."""
+  import threading
+  from jaxagent.learners import trainer
+  w = tmp_path / "live"
+  c = get_config("smoke")
+  c.num_devices = 1
+  c.rl.steps, c.checkpoint_every, c.max_to_keep = 2, 4, 10
+  out: dict = {}
+
+  def watch():
+    try:
+      out["reps"] = job.watch(small_config(), w, poll_seconds=0.05, timeout_seconds=300,
+                              evaluator=ev)
+    except Exception as err:   # re-raised below, in the test's thread
+      out["error"] = err
+
+  t = threading.Thread(target=watch)
+  t.start()
+  trainer.run(c, w)
+  t.join(600)
+  assert not t.is_alive() and "error" not in out, out.get("error")
+  have = {job.eval_dir_name(p, s) for p, s in job.checkpoint_steps(w)}
+  assert have == {"sft_4", "2"}                        # each phase's last step
+  assert {pathlib.Path(r["dir"]).name for r in out["reps"]} == have
+  for name in have:
+    assert (w / "eval" / name / "report.json").exists()
+
+
 def test_compare_states_each_claim_with_its_rule(run_dir, ev, latest, tmp_path):
   # The base run: the same SFT checkpoints and their evaluation, in a workdir of their own.
   base = tmp_path / "base_run"
