@@ -4,7 +4,7 @@
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-VARIANT ?= quick
+VARIANT ?= default
 WORKDIR ?= workdirs/$(VARIANT)
 
 .PHONY: run test clean

@@ -84,13 +84,15 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.rl.temperature = 1.0
   # Tokens per turn, <eot> included (0 = the environment's max_action_len).
   c.rl.max_action_tokens = 0
-  # Learner knobs (jaxagent.learners.update.LearnerConfig).
+  # Learner knobs (jaxagent.learners.update.LearnerConfig). Measured on the default: at lr 1e-3
+  # without KL, fixed-T RL at T=8 collapsed after 8 steps (entropy 0.3 -> 0.9, valid calls 0.56
+  # -> 0.03); lr 5e-4 with a k3 KL to the base keeps it anchored.
   c.rl.learner = ml_collections.ConfigDict({
       "advantage": "grpo", "normalize_std": True, "loss": "ppo_clip", "clip_eps_low": 0.2,
-      "clip_eps_high": 0.28, "aggregation": "token", "kl_coef": 0.0, "kl_estimator": "k3",
+      "clip_eps_high": 0.28, "aggregation": "token", "kl_coef": 0.05, "kl_estimator": "k3",
       "entropy_coef": 0.0, "success_reward": 1.0, "invalid_call_penalty": 0.0,
       "turn_cost": 0.0, "filter_equal_groups": False, "epochs": 1, "minibatches": 2,
-      "learning_rate": 1e-3, "warmup_steps": 3, "schedule": "constant", "weight_decay": 0.0,
+      "learning_rate": 5e-4, "warmup_steps": 3, "schedule": "constant", "weight_decay": 0.0,
       "max_grad_norm": 1.0,
   })
 
