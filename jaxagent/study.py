@@ -35,6 +35,9 @@ def run_configs(config, workdir) -> dict[str, tuple[object, pathlib.Path]]:
   with base.unlocked():
     base.data.dir = data
     base.rl.steps = 0
+    # The base run's evaluation compares it with itself (not with the untrained model), which
+    # also lets its rollouts serve as the base rollouts of every RL run's evaluation.
+    base.eval.base_workdir = str(workdir / BASE)
   runs[BASE] = (base, workdir / BASE)
   for label, budget in (("fixed_tight", config.study.tight_budget),
                         ("fixed_generous", config.study.generous_budget),

@@ -422,19 +422,22 @@ def per_task_pass1(mode: str, success_by_t: np.ndarray, budgets, t_max: int) -> 
 
 
 def _base_params(ev: Evaluator, config, workdir, phase: str):
-  """(params, description) of the base policy of the run `config` trained in `workdir` (see
-  config.eval.base_workdir)."""
+  """(params, description, checkpoint) of the base policy of the run `config` trained in
+  `workdir` (see config.eval.base_workdir); checkpoint = (resolved workdir, phase, step), or None
+  for the model's own weights."""
   e, m = config.eval, config.model
   src = e.base_workdir or m.init_from
   if src:
     p, s = resolve_checkpoint(src)
-    return restore_params(src, p, s, ev.abstract), f"{src} ({p} step {s})"
+    return (restore_params(src, p, s, ev.abstract), f"{src} ({p} step {s})",
+            (pathlib.Path(src).resolve(), p, s))
   if phase == "rl":
     sft = [ps for ps in checkpoint_steps(workdir) if ps[0] == "sft"]
     if sft:
       p, s = sft[-1]
-      return restore_params(workdir, p, s, ev.abstract), f"this run's {p} step {s}"
-  return ev.policy.params, f"the model's own weights ({m.path})"
+      return (restore_params(workdir, p, s, ev.abstract), f"this run's {p} step {s}",
+              (pathlib.Path(workdir).resolve(), p, s))
+  return ev.policy.params, f"the model's own weights ({m.path})", None
 
 
 def _train_config(workdir, config) -> dict:
@@ -494,7 +497,12 @@ def evaluate_checkpoint(config, workdir, step: int | None = None, *,
     tick[0] = now
 
   params = restore_params(workdir, phase, step, ev.abstract)
-  base_params, base_desc = _base_params(ev, config, workdir, phase)
+  base_params, base_desc, base_ckpt = _base_params(ev, config, workdir, phase)
+  # The checkpoint evaluated is the base itself (e.g. the study's base run): same params, so the
+  # base's rollouts (same keys) are the policy's own.
+  is_base = base_ckpt == (workdir.resolve(), phase, step)
+  if is_base:
+    base_params = params
   logging.info("evaluating %s %s step %d (base: %s)", workdir, phase, step, base_desc)
   key = jax.random.key(int(e.seed))
   k_roll, k_oracle, k_act = jax.random.split(key, 3)
@@ -515,7 +523,7 @@ def evaluate_checkpoint(config, workdir, step: int | None = None, *,
   t_top = ev.t_max if e.mode == "truncation" else ev.budgets[-1]
 
   # The base policy's runs at the same budget and keys; the oracle's (forced) runs.
-  base_traj = ev.memo(("base", base_desc, t_top), lambda: ev.rollouts(
+  base_traj = ev.memo(("base", base_desc, t_top), lambda: traj if is_base else ev.rollouts(
       base_params, k_roll, t_top, budget_visible=ev.budget_visible, temperature=temp))
   # Forced oracle actions: the transcript does not depend on the params rolled out with.
   oracle_traj = ev.memo(("oracle", t_top), lambda: ev.rollouts(
