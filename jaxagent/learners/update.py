@@ -30,6 +30,8 @@ from jaxagent.learners.rewards import episode_rewards, equal_group_mask
 from jaxagent.models.config import ModelConfig
 from jaxagent.rollout.scoring import token_logprobs, token_logprobs_and_entropy
 from jaxagent.rollout.trajectory import Trajectory
+from jaxagent.sharding import batch_sharding
+from jaxagent.sharding.mesh import mesh_context
 
 LR_SCHEDULES = ("constant", "cosine")
 
@@ -227,6 +229,10 @@ def make_update_fn(cfg: LearnerConfig, model_cfg: ModelConfig, optimizer: optax.
   clipping), averaged over the steps; learning_rate of the last step; reward_mean, reward_std,
   advantage_mean, advantage_abs_mean and kept_fraction (episode weight mean) of the batch.
   Deterministic given the state's key.
+
+  On a mesh (the trajectory's or else the parameters' NamedSharding), every minibatch is split
+  over (data, fsdp) by the `batch` rule: the random-permutation gather that forms it would
+  otherwise leave it replicated, and every device would run the whole minibatch.
   """
 
   def loss_fn(params, mb: _Batch):
@@ -240,7 +246,7 @@ def make_update_fn(cfg: LearnerConfig, model_cfg: ModelConfig, optimizer: optax.
         episode_weight=mb.weight)
     return loss, dict(metrics, loss=loss)
 
-  def update(state: TrainState, traj: Trajectory, ref_params=None):
+  def update(state: TrainState, traj: Trajectory, ref_params=None, mesh=None):
     b = traj.batch_size
     if b % cfg.minibatches:
       raise ValueError(f"batch of {b} episodes is not divisible into {cfg.minibatches} "
@@ -269,6 +275,9 @@ def make_update_fn(cfg: LearnerConfig, model_cfg: ModelConfig, optimizer: optax.
     def minibatch_step(carry, idx):                      # idx [mb_size] episode rows
       params, opt_state = carry
       mb = jax.tree.map(lambda x: x[idx], batch)
+      if mesh is not None:
+        mb = jax.tree.map(lambda x: jax.lax.with_sharding_constraint(
+            x, batch_sharding(mesh, x.ndim, mb_size)), mb)
       (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, mb)
       metrics["grad_norm"] = optax.tree.norm(grads)
       updates, opt_state = optimizer.update(grads, opt_state, params)
@@ -290,4 +299,38 @@ def make_update_fn(cfg: LearnerConfig, model_cfg: ModelConfig, optimizer: optax.
                            opt_state=opt_state, key=key)
     return new_state, metrics
 
-  return jax.jit(update, donate_argnums=0)
+  return _MeshUpdate(jax.jit(update, donate_argnums=0, static_argnums=3))
+
+
+def _mesh_of(*trees):
+  """The mesh of the first leaf (in order) with a multi-device NamedSharding, or None."""
+  for tree in trees:
+    for x in jax.tree.leaves(tree):
+      s = getattr(x, "sharding", None)
+      if isinstance(s, jax.sharding.NamedSharding) and s.mesh.size > 1:
+        return s.mesh
+  return None
+
+
+class _MeshUpdate:
+  """The jitted update, called with the mesh of its inputs as a static argument (one compiled
+  program per mesh)."""
+
+  def __init__(self, jitted):
+    self._jitted = jitted
+
+  def _args(self, state, traj, ref_params=None):
+    return state, traj, ref_params, _mesh_of(traj.tokens, state.params)
+
+  def __call__(self, state: TrainState, traj: Trajectory, ref_params=None):
+    args = self._args(state, traj, ref_params)
+    with mesh_context(args[-1]):          # the decoder keeps activations split over the batch
+      return self._jitted(*args)
+
+  def lower(self, state: TrainState, traj: Trajectory, ref_params=None):
+    args = self._args(state, traj, ref_params)
+    with mesh_context(args[-1]):
+      return self._jitted.lower(*args)
+
+  def _cache_size(self) -> int:
+    return self._jitted._cache_size()

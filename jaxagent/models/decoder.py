@@ -25,6 +25,7 @@ import jax.numpy as jnp
 from flax import nnx, struct
 
 from jaxagent.models.config import ModelConfig
+from jaxagent.sharding.mesh import constrain_batch
 
 _NEG = -1e30  # finite "minus infinity": fully masked rows stay NaN-free
 
@@ -215,6 +216,7 @@ def apply(cfg: ModelConfig, params: dict, tokens, positions=None, *, attention_m
 
   if cache is None:
     def body(x, p):
+      x = constrain_batch(x)
       x, _, _ = _layer(cfg, x, p, cos, sin, mask, None, None, None)
       return x, None
 
@@ -223,6 +225,7 @@ def apply(cfg: ModelConfig, params: dict, tokens, positions=None, *, attention_m
     # The stacked cache rides in the carry and layer i updates its slice in place.
     def body(carry, p):
       x, k_all, v_all, i = carry
+      x = constrain_batch(x)
       kc = jax.lax.dynamic_index_in_dim(k_all, i, keepdims=False)
       vc = jax.lax.dynamic_index_in_dim(v_all, i, keepdims=False)
       x, kc, vc = _layer(cfg, x, p, cos, sin, mask, kc, vc, write_at)

@@ -10,6 +10,8 @@ from jaxagent.envs.host import HostEnv
 from jaxagent.rollout import sampler
 from jaxagent.rollout.engine import HostRollout, RolloutConfig, make_rollout_fn, step_obs_len
 from jaxagent.rollout.trajectory import Trajectory
+from jaxagent.sharding import batch_sharding
+from jaxagent.sharding.mesh import mesh_context
 
 _COMPILED: dict = {}
 
@@ -32,6 +34,22 @@ def expand_budgets(budgets, num_tasks: int, group_size: int) -> np.ndarray:
     return arr
   raise ValueError(f"budgets of shape {arr.shape}: give a scalar, one per task ({num_tasks}) "
                    f"or one per episode ({b})")
+
+
+def place_batch(mesh, tree, batch_size: int):
+  """Places every array of `tree` (leading axis B) with the `batch` rule of the mesh: rows over
+  (data, fsdp) where B divides (else the axis is replicated). The rollout's KV cache, buffers and
+  trajectory follow these inputs, so each device holds and runs only its own episodes. Built
+  from the full host value on every process (`make_array_from_callback`), so it also works when
+  the mesh spans several hosts. No mesh: unchanged."""
+  if mesh is None:
+    return tree
+
+  def put(x):
+    x = np.asarray(x)
+    return jax.make_array_from_callback(x.shape, batch_sharding(mesh, x.ndim, batch_size),
+                                        lambda idx: x[idx])
+  return jax.tree.map(put, tree)
 
 
 def _is_host(env) -> bool:
@@ -96,5 +114,14 @@ def rollout(policy, env, key, tasks_or_num, group_size: int = 1, budgets=None, *
     else:
       _COMPILED[ck] = make_rollout_fn(policy.config, env, cfg, forced_action)
   fn = _COMPILED[ck]
-  return fn(policy.params if params is None else params, k_run, tasks, jnp.asarray(budget),
-            jnp.asarray(task_id), jnp.asarray(group_id), sc)
+  # On a mesh the episodes are split over (data, fsdp) like every other batch; without this
+  # every device would run (and hold the KV cache of) the whole batch.
+  # (A host environment's tasks stay on the host; its observations follow the budgets.)
+  mesh, b = getattr(policy, "mesh", None), budget.shape[0]
+  budget, task_id, group_id = place_batch(mesh, (budget, task_id, group_id), b)
+  if not _is_host(env):
+    tasks = place_batch(mesh, tasks, b)
+  args = (policy.params if params is None else params, k_run, tasks, jnp.asarray(budget),
+          jnp.asarray(task_id), jnp.asarray(group_id), sc)
+  with mesh_context(mesh):     # the decoder keeps activations split over the batch axes
+    return fn(*args)
