@@ -1,6 +1,9 @@
 """Train: the phases of a config (SFT, then RL) in one workdir; resumes where it stopped.
 
     python -m launch.train --config=configs/default.py[:variant] --workdir=DIR [--config.k=v ...]
+
+On several hosts run it once per process (launch/recipes/); `jaxagent.sharding.distributed`
+initialises the multi-process runtime first.
 """
 
 from absl import app, flags
@@ -14,6 +17,9 @@ flags.mark_flags_as_required(["config", "workdir"])
 
 def main(argv):
   del argv
+  # Multi-host: joins the job from JAXAGENT_* variables, SLURM or a TPU pod (no-op alone).
+  from jaxagent.sharding import distributed
+  distributed.initialize()
   from launch._logs import quiet_libraries
   quiet_libraries()
   from jaxagent.learners import trainer
