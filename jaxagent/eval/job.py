@@ -299,11 +299,12 @@ class Evaluator:
     width = max(refs.prefix.shape[1], errs.prefix.shape[1])
     return step_quality.pad_prefix(refs, width), step_quality.pad_prefix(errs, width)
 
-  def act(self, params, states, key) -> dict[str, dict[str, np.ndarray]]:
-    """Next-action outcomes per decoding mode: {mode: step_quality.next_actions dict}."""
+  def act(self, params, states, key, next_action_fn=None) -> dict[str, dict[str, np.ndarray]]:
+    """Next-action outcomes per decoding mode: {mode: step_quality.next_actions dict}.
+    next_action_fn: an extra environment's (default: the config's environment's)."""
     e = self.config.eval
     temps = {"greedy": 0.0, "sampled": float(e.temperature)}
-    return {m: step_quality.next_actions(self.next_action_fn, params, states,
+    return {m: step_quality.next_actions(next_action_fn or self.next_action_fn, params, states,
                                          jax.random.fold_in(key, i), temps[m], int(e.state_batch))
             for i, m in enumerate(step_quality.MODES)}
 
@@ -326,12 +327,7 @@ class Evaluator:
 
   def act_extra(self, params, key, extra_states) -> list[dict]:
     """Per extra environment: {mode: next-action outcomes} on its oracle reference states."""
-    e = self.config.eval
-    temps = {"greedy": 0.0, "sampled": float(e.temperature)}
-    return [{m: step_quality.next_actions(es.next_action_fn, params, refs,
-                                          jax.random.fold_in(key, i), temps[m],
-                                          int(e.state_batch))
-             for i, m in enumerate(step_quality.MODES)} for es, refs in extra_states]
+    return [self.act(params, refs, key, es.next_action_fn) for es, refs in extra_states]
 
   def quality(self, outcomes, refs, extra_outcomes=(), extra_states=()) -> dict:
     """Step-quality rates overall, by source and by environment: the config's environment's
