@@ -22,7 +22,7 @@ CFG = ModelConfig(
     rope_scaling=(("factor", 4.0), ("high_freq_factor", 4.0), ("low_freq_factor", 1.0),
                   ("original_max_position_embeddings", 8), ("rope_type", "llama3")))
 
-apply = jax.jit(decoder.apply, static_argnums=0, static_argnames=("return_hidden",))
+apply = jax.jit(decoder.apply, static_argnums=0, static_argnames=("return_hidden", "cache_block"))
 
 
 def random_params(cfg: ModelConfig, seed: int = 0) -> dict:
@@ -82,7 +82,8 @@ def _full_logits(params, seqs: list[np.ndarray], width: int = 16) -> list[np.nda
   return out
 
 
-def test_cache_in_uneven_chunks_equals_full_recompute(params):
+@pytest.mark.parametrize("cache_block", [decoder.CACHE_BLOCK, 4])
+def test_cache_in_uneven_chunks_equals_full_recompute(params, cache_block):
   rng = np.random.RandomState(1)
   totals = [14, 14, 13]
   seqs = [rng.randint(0, 64, size=t).astype(np.int32) for t in totals]
@@ -98,7 +99,7 @@ def test_cache_in_uneven_chunks_equals_full_recompute(params):
     for b, n in enumerate(lens):
       chunk[b, :n] = seqs[b][pos[b]:pos[b] + n]
     logits, cache = apply(CFG, params, jnp.asarray(chunk), cache=cache,
-                          chunk_lens=jnp.asarray(lens))
+                          chunk_lens=jnp.asarray(lens), cache_block=cache_block)
     for b, n in enumerate(lens):
       got[b].append(np.asarray(logits[b, :n]))
     pos += lens
@@ -109,6 +110,29 @@ def test_cache_in_uneven_chunks_equals_full_recompute(params):
     assert g.shape == want[b].shape
     assert np.abs(g - want[b]).max() < 1e-5, b
   assert max(np.abs(w).max() for w in want) > 1.0   # the comparison is not vacuous
+
+
+@pytest.mark.parametrize("cache_block", [16, 7])
+def test_blocked_cache_attention_counts_every_slot_once(params, cache_block):
+  """A 40-slot cache read in blocks: with 16 the third block starts at slot 24 (capacity - block)
+  and overlaps the second; with 7 six blocks tile it. Rows of different lengths, chunks of 4."""
+  rng = np.random.RandomState(4)
+  totals = (38, 29)
+  seqs = [rng.randint(0, 64, size=t).astype(np.int32) for t in totals]
+  cache = decoder.init_cache(CFG, batch=2, capacity=40)
+  got = [[], []]
+  for start in range(0, 38, 4):
+    lens = np.array([max(0, min(4, t - start)) for t in totals], np.int32)
+    chunk = rng.randint(0, 64, size=(2, 4)).astype(np.int32)
+    for b, n in enumerate(lens):
+      chunk[b, :n] = seqs[b][start:start + n]
+    logits, cache = apply(CFG, params, jnp.asarray(chunk), cache=cache,
+                          chunk_lens=jnp.asarray(lens), cache_block=cache_block)
+    for b, n in enumerate(lens):
+      got[b].append(np.asarray(logits[b, :n]))
+  want = _full_logits(params, seqs, width=40)
+  for b in range(2):
+    assert np.abs(np.concatenate(got[b]) - want[b]).max() < 1e-5, b
 
 
 def test_padding_either_side_equals_each_row_alone(params):
