@@ -45,6 +45,7 @@ from jaxagent.eval import likelihood, pass_at_kt, plots, recovery, report, step_
 from jaxagent.rollout import rollout
 from jaxagent.rollout.stats import trajectory_stats
 from jaxagent.rollout.trajectory import Trajectory
+from jaxagent.sharding import distributed
 
 # The trainer's phases, in training order (jaxagent.learners.trainer.PHASES).
 PHASES = ("sft", "rl")
@@ -561,6 +562,9 @@ def evaluate_checkpoint(config, workdir, step: int | None = None, *,
   lap("likelihood")
 
   out = workdir / "eval" / eval_dir_name(phase, step)
+  rep["dir"] = str(out)
+  if not distributed.is_primary():          # every process computed it; one writes it
+    return rep
   out.mkdir(parents=True, exist_ok=True)
   np.savez_compressed(out / "episodes.npz",
                       **_episodes_arrays(ev, success_by_t, traj, sq_out, refs, rec_out, errs))
@@ -571,7 +575,6 @@ def evaluate_checkpoint(config, workdir, step: int | None = None, *,
   rep["timing"] = timing
   report.write_json(rep, out / "report.json")
   (out / "report.md").write_text(report.run_markdown(report.to_jsonable(rep)))
-  rep["dir"] = str(out)
   logging.info("wrote %s (%.0f s)", out, rep["seconds"])
   return rep
 
@@ -704,7 +707,6 @@ def compare(runs: dict[str, str], out_dir, config, base: str = "base") -> dict:
   if len(runs) < 2:
     raise ValueError("compare needs at least two runs (--run label=workdir, twice or more)")
   out = pathlib.Path(out_dir)
-  out.mkdir(parents=True, exist_ok=True)
   e = config.eval
   evals = {lab: latest_eval(w) for lab, w in runs.items()}
   rep0, eps0 = evals[base]
@@ -786,6 +788,10 @@ def compare(runs: dict[str, str], out_dir, config, base: str = "base") -> dict:
                    "on_policy": {lab: ev.on_policy(t) for lab, t in trajs.items()}},
       "likelihood": lik,
   }
+  comp["dir"] = str(out)
+  if not distributed.is_primary():          # every process computed it; one writes it
+    return comp
+  out.mkdir(parents=True, exist_ok=True)
   files = ["comparison.json", "comparison.md"]
   for k in sorted({ks[0], ks[-1]} if ks else set()):
     files.append(pathlib.Path(plots.pass_curves_runs(comp["pass_at_kt"], k,
@@ -808,5 +814,4 @@ def compare(runs: dict[str, str], out_dir, config, base: str = "base") -> dict:
   comp["files"] = files
   report.write_json(comp, out / "comparison.json")
   (out / "comparison.md").write_text(report.comparison_markdown(report.to_jsonable(comp)))
-  comp["dir"] = str(out)
   return comp

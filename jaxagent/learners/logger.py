@@ -4,6 +4,9 @@ event files, and a progress bar.
 `metrics.jsonl` is append-only and resume-safe: `MetricsLog(path, resume_step=s)` first drops
 lines of the same phase with step > s (written after the checkpoint a resumed run restarts from),
 so a killed-and-resumed run leaves the same file as an uninterrupted one.
+
+On a multi-host job every process computes the same (global) metrics; only the primary process
+(`jax.process_index() == 0`) writes them, so each line and event is written once.
 """
 
 from __future__ import annotations
@@ -15,6 +18,8 @@ import pathlib
 
 import numpy as np
 
+from jaxagent.sharding import distributed
+
 
 def _clean(v):
   v = float(np.asarray(v))
@@ -23,9 +28,14 @@ def _clean(v):
 
 class MetricsLog:
   def __init__(self, workdir: str | os.PathLike, phase: str, resume_step: int = 0,
-               tensorboard: bool = True):
+               tensorboard: bool = True, primary: bool | None = None):
+    """primary: whether this process writes (default: it is process 0 of the job)."""
     self.path = pathlib.Path(workdir) / "metrics.jsonl"
     self.phase = phase
+    self.primary = distributed.is_primary() if primary is None else primary
+    self._tb = None
+    if not self.primary:
+      return
     if self.path.exists():
       kept = [l for l in self.path.read_text().splitlines()
               if l.strip() and not (json.loads(l).get("phase") == phase
@@ -33,7 +43,6 @@ class MetricsLog:
       tmp = self.path.with_suffix(".tmp")
       tmp.write_text("".join(l + "\n" for l in kept))
       os.replace(tmp, self.path)
-    self._tb = None
     if tensorboard:
       from tensorboardX import SummaryWriter
       self._tb = SummaryWriter(str(pathlib.Path(workdir) / "tensorboard" / phase))
@@ -45,6 +54,8 @@ class MetricsLog:
     line.update({k: _clean(v) for k, v in sorted(metrics.items())})
     if timing:
       line["timing"] = {k: round(float(v), 4) for k, v in sorted(timing.items())}
+    if not self.primary:
+      return line
     with open(self.path, "a") as f:
       f.write(json.dumps(line) + "\n")
     if self._tb is not None:

@@ -36,7 +36,7 @@ from jaxagent.rollout import budget as budget_lib
 from jaxagent.rollout import rollout
 from jaxagent.rollout.stats import trajectory_stats
 from jaxagent.rollout.trajectory import trim
-from jaxagent.sharding import make_mesh
+from jaxagent.sharding import distributed, make_mesh
 
 PHASES = ("sft", "rl")
 
@@ -97,10 +97,22 @@ def task_kwargs(config) -> dict:
               **dict(config.env.difficulty))
 
 
+def build_once(name: str, build) -> None:
+  """Runs `build()` (writing a dataset into the shared data dir) on the primary process only;
+  on a multi-host job the others wait for it at a barrier, then read what it wrote."""
+  if jax.process_count() > 1:
+    from jax.experimental import multihost_utils
+    if distributed.is_primary():
+      build()
+    multihost_utils.sync_global_devices(f"jaxagent data: {name}")
+  else:
+    build()
+
+
 def load_tasks(config, workdir, split: str) -> dict[str, np.ndarray]:
   """The fixed task split as numpy arrays (built into the data dir on first use)."""
   d = data_dir(config, workdir)
-  task_data.build(d, config.env.name, **task_kwargs(config))
+  build_once("tasks", lambda: task_data.build(d, config.env.name, **task_kwargs(config)))
   return task_data.load(d, config.env.name, split, **task_kwargs(config))
 
 
@@ -127,7 +139,8 @@ def demo_kwargs(config) -> dict:
 def load_demos(config, workdir, tokenizer, split: str) -> dict[str, np.ndarray]:
   """Noisy-oracle demonstrations (built on first use), token arrays cut to the longest one."""
   d = data_dir(config, workdir)
-  demo_data.build(d, config.env.name, tokenizer, **demo_kwargs(config))
+  build_once("demos", lambda: demo_data.build(d, config.env.name, tokenizer,
+                                              **demo_kwargs(config)))
   arrays = demo_data.load(d, config.env.name, tokenizer, split, **demo_kwargs(config))
   keep = -(-int(arrays["length"].max()) // 64) * 64
   for k in ("tokens", "loss_mask", "turn_of_token"):
@@ -200,6 +213,11 @@ class _Phase:
                                                    FINGERPRINT_KEY: self.fingerprint}, force=force)
 
 
+def _show_progress(config) -> bool:
+  """Progress bars on the primary process only (one bar per job, not one per host)."""
+  return bool(config.progress_bar) and distributed.is_primary()
+
+
 def _state_dict(state: TrainState) -> dict:
   """The saved layout: a dict, so evaluation can restore the `params` subtree alone."""
   return {"params": state.params, "opt_state": state.opt_state, "step": state.step,
@@ -224,7 +242,7 @@ def run_sft(config, workdir, policy: Policy, env, params, fingerprint) -> Any:
   n = len(demos["length"])
   perm_key = jax.random.key(config.seed + 1)
   log = MetricsLog(workdir, "sft", resume_step=start)
-  bar = tqdm(total=c.steps, initial=start, desc="sft", disable=not config.progress_bar)
+  bar = tqdm(total=c.steps, initial=start, desc="sft", disable=not _show_progress(config))
   with PreemptionGuard() as guard:
     for s in range(start, c.steps):
       epoch, pos = divmod(s * c.batch_size, n)
@@ -266,7 +284,8 @@ def run_rl(config, workdir, policy: Policy, env, params, fingerprint) -> Any:
   train = load_tasks(config, workdir, "train")
   key = jax.random.key(config.seed + 3)
   log = MetricsLog(workdir, "rl", resume_step=start)
-  bar = tqdm(total=c.steps, initial=start, desc=f"rl {c.budget}", disable=not config.progress_bar)
+  bar = tqdm(total=c.steps, initial=start, desc=f"rl {c.budget}",
+             disable=not _show_progress(config))
   with PreemptionGuard() as guard:
     for s in range(start, c.steps):
       k_budget, k_roll = jax.random.split(jax.random.fold_in(key, s))
@@ -302,7 +321,9 @@ def run(config: ml_collections.ConfigDict, workdir) -> dict:
   workdir = pathlib.Path(workdir)
   workdir.mkdir(parents=True, exist_ok=True)
   validate(config)
-  (workdir / "config.json").write_text(config.to_json_best_effort(indent=2))
+  primary = distributed.is_primary()
+  if primary:
+    (workdir / "config.json").write_text(config.to_json_best_effort(indent=2))
   policy = load_policy(config)
   fingerprint = model_fingerprint(policy.config)
   env = make_env(config, policy.tokenizer)
@@ -317,5 +338,6 @@ def run(config: ml_collections.ConfigDict, workdir) -> dict:
   if config.rl.steps > 0:
     params = run_rl(config, workdir, policy, env, params, fingerprint)
     summary["rl_steps"] = config.rl.steps
-  (workdir / "DONE").write_text(json.dumps(summary) + "\n")
+  if primary:
+    (workdir / "DONE").write_text(json.dumps(summary) + "\n")
   return summary

@@ -110,3 +110,23 @@ def test_launch_smoke_end_to_end_and_sigterm(tmp_path):
   rl = [json.loads(l) for l in metrics.read_text().splitlines() if '"phase": "rl"' in l]
   assert [l["step"] for l in rl] == [1, 2, 3, 4, 5, 6]
   assert (work / "DONE").exists()
+
+
+def test_only_the_primary_process_writes_metrics_and_markers(tmp_path, monkeypatch):
+  """On a multi-host job every process runs the loop (and saves its shards of each checkpoint);
+  metrics, TensorBoard events, config.json and DONE are written once, by process 0."""
+  from jaxagent.sharding import distributed
+  data = tmp_path / "data"
+  trainer.load_tasks(_rl_only(2, **{"data.dir": str(data)}), tmp_path, "train")   # built once
+  monkeypatch.setattr(distributed, "is_primary", lambda: False)
+  other = tmp_path / "other"
+  trainer.run(_rl_only(2, **{"data.dir": str(data)}), other)
+  assert sorted(p.name for p in other.iterdir()) == ["checkpoints"]
+  assert sorted(int(p.name) for p in (other / "checkpoints" / "rl").iterdir()
+                if p.name.isdigit()) == [1, 2]
+  monkeypatch.setattr(distributed, "is_primary", lambda: True)
+  primary = tmp_path / "primary"
+  trainer.run(_rl_only(2, **{"data.dir": str(data)}), primary)
+  assert {"checkpoints", "metrics.jsonl", "tensorboard", "config.json", "DONE"} <= {
+      p.name for p in primary.iterdir()}
+  assert [l["step"] for l in _lines(primary)] == [1, 2]
