@@ -177,10 +177,16 @@ class EnvSet:
       arrays = {k: v[:config.eval.num_tasks] for k, v in arrays.items()}
     self.tasks = tasks_from_arrays(self.env, arrays)
     self.num_tasks = int(jax.tree.leaves(self.tasks)[0].shape[0])
-    self.action_tokens = min(int(config.eval.max_action_tokens or self.env.max_action_len),
-                             int(self.env.max_action_len))
+    self.action_tokens = action_tokens(config, self.env)
     self.next_action_fn = step_quality.make_next_action_fn(policy.config, self.env,
                                                            self.action_tokens)
+
+
+def action_tokens(config, env) -> int:
+  """Tokens per turn of evaluation rollouts and next actions in `env`: eval.max_action_tokens
+  (0: the environment's max_action_len), at most the environment's max_action_len (the report
+  records the value used)."""
+  return min(int(config.eval.max_action_tokens or env.max_action_len), int(env.max_action_len))
 
 
 _ORACLES: dict = {}
@@ -219,7 +225,7 @@ class Evaluator:
     self.budget_visible = e.mode == "rerun" and bool(e.rerun_budget_visible)
     self.policy = trainer.load_policy(config)
     self.env = trainer.make_env(config, self.policy.tokenizer)
-    self.action_tokens = int(e.max_action_tokens or self.env.max_action_len)
+    self.action_tokens = action_tokens(config, self.env)
     if test_arrays is None:
       test_arrays = trainer.load_tasks(config, workdir, "test")
       if e.num_tasks:
@@ -369,11 +375,13 @@ class Evaluator:
 
   def likelihoods(self, trajs: dict, params: dict) -> dict:
     e = self.config.eval
-    t = {}
+    t, seen = {}, {}
     for k, v in trajs.items():
-      rows = self.likelihood_rows(int(np.asarray(v.length).shape[0]))
-      t[k] = {"tokens": np.asarray(v.tokens)[rows], "length": np.asarray(v.length)[rows],
-              "loss_mask": np.asarray(v.loss_mask)[rows]}
+      if id(v) not in seen:     # one trajectory set under two labels stays one object
+        rows = self.likelihood_rows(int(np.asarray(v.length).shape[0]))
+        seen[id(v)] = {"tokens": np.asarray(v.tokens)[rows], "length": np.asarray(v.length)[rows],
+                       "loss_mask": np.asarray(v.loss_mask)[rows]}
+      t[k] = seen[id(v)]
     out = likelihood.cross_likelihood(self.policy.config, t, params,
                                       temperature=float(e.temperature),
                                       batch_size=int(e.score_batch))
@@ -530,10 +538,17 @@ def evaluate_checkpoint(config, workdir, step: int | None = None, *,
   refs, errs = ev.reference_states(oracle_traj, base_traj, ev.budget_visible)
   lap("replay")
   who = {POLICY: params, BASE: base_params}
-  sq_out = {w: ev.act(p, refs, k_act) for w, p in who.items()}
-  rec_out = {w: ev.act(p, errs, k_act) for w, p in who.items()}
+
+  def both(fn):
+    """fn(params) for the policy and the base; once when they are the same checkpoint."""
+    out = {POLICY: fn(params)}
+    out[BASE] = out[POLICY] if is_base else fn(base_params)
+    return out
+
+  sq_out = both(lambda p: ev.act(p, refs, k_act))
+  rec_out = both(lambda p: ev.act(p, errs, k_act))
   extra = ev.extra_states(params, k_oracle)
-  sq_extra = {w: ev.act_extra(p, k_act, extra) for w, p in who.items()}
+  sq_extra = both(lambda p: ev.act_extra(p, k_act, extra))
   lap("next_actions")
   train = _train_config(workdir, config)
   rep = {

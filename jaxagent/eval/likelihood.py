@@ -89,12 +89,18 @@ def cross_likelihood(mcfg: ModelConfig, trajectories: dict, params: dict, *, tem
   """
   rows, cols = list(trajectories), list(params)
   per: dict = {}
+  scored: dict = {}
   for a in rows:
     t = trajectories[a]
     per[a] = {}
     for b in cols:
-      lp = score_rows(mcfg, params[b], t["tokens"], t["length"], temperature, batch_size)
-      per[a][b] = agent_loglik(lp, t["loss_mask"])
+      # Labels sharing one trajectory set and one parameter tree (a base evaluated against
+      # itself) are scored once.
+      key = (id(t), id(params[b]))
+      if key not in scored:
+        lp = score_rows(mcfg, params[b], t["tokens"], t["length"], temperature, batch_size)
+        scored[key] = agent_loglik(lp, t["loss_mask"])
+      per[a][b] = scored[key]
   return {"rows": rows, "cols": cols,
           "sum": [[float(np.mean(per[a][b]["sum"])) for b in cols] for a in rows],
           "mean": [[float(np.nanmean(per[a][b]["mean"])) if np.any(per[a][b]["count"] > 0)

@@ -117,15 +117,48 @@ def decode(cfg: ModelConfig, params, cache: decoder.KVCache, next_logits, key, s
                     next_logits=logits)
 
 
-def prefill(cfg: ModelConfig, params, cache: decoder.KVCache, tokens, lengths):
+# Tokens per prefill chunk: a long prompt is appended to the cache chunk by chunk, so attention
+# scores stay [chunk, chunk] plus cache blocks instead of [L, L] (for 64 rows of 900 tokens that
+# was 0.8 GB of float32 scores per layer).
+PREFILL_CHUNK = 128
+
+
+def _last_logits(cfg: ModelConfig, params, hidden, lengths):
+  """Logits [B, V] at each row's last real token of a chunk's hidden states [B, L, D]; only
+  those positions are unembedded."""
+  last = jnp.clip(lengths - 1, 0, hidden.shape[1] - 1)
+  h = jnp.take_along_axis(hidden, last[:, None, None], axis=1)[:, 0]
+  return decoder.unembed(cfg, params, h)
+
+
+def prefill(cfg: ModelConfig, params, cache: decoder.KVCache, tokens, lengths,
+            chunk: int = PREFILL_CHUNK):
   """Appends right-padded `tokens` [B, L] (`lengths` [B] real) to the cache.
 
   Returns (logits [B, V] at each row's last real token, cache). Rows with length 0 keep their
   previous state; their returned logits are meaningless and must be masked by the caller.
+  Prompts longer than `chunk` (static) go in chunk by chunk (a scan), with the same result.
   """
-  logits, cache = decoder.apply(cfg, params, tokens, cache=cache, chunk_lens=lengths)
-  last = jnp.clip(lengths - 1, 0, tokens.shape[1] - 1)
-  return jnp.take_along_axis(logits, last[:, None, None], axis=1)[:, 0], cache
+  b, l = tokens.shape
+  if l <= chunk:
+    hidden, cache = decoder.apply(cfg, params, tokens, cache=cache, chunk_lens=lengths,
+                                  return_hidden=True)
+    return _last_logits(cfg, params, hidden, lengths), cache
+  n = -(-l // chunk)
+  tokens = jnp.pad(tokens, ((0, 0), (0, n * chunk - l)))
+
+  def body(carry, i):
+    cache, logits = carry
+    part = jax.lax.dynamic_slice_in_dim(tokens, i * chunk, chunk, axis=1)
+    lens = jnp.clip(lengths - i * chunk, 0, chunk)
+    hidden, cache = decoder.apply(cfg, params, part, cache=cache, chunk_lens=lens,
+                                  return_hidden=True)
+    logits = jnp.where((lens > 0)[:, None], _last_logits(cfg, params, hidden, lens), logits)
+    return (cache, logits), None
+
+  init = (cache, jnp.zeros((b, cfg.vocab_size), jnp.float32))
+  (cache, logits), _ = jax.lax.scan(body, init, jnp.arange(n))
+  return logits, cache
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "max_new_tokens", "pad_id"))
