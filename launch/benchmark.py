@@ -1,47 +1,172 @@
-"""Rollout throughput: the fully jitted multi-turn rollout against the naive way, side by side.
+"""Throughput of rollouts and updates, side by side in one run, against the naive way and against
+this machine's own limits (measured in the same run).
 
-    python -m launch.benchmark [--model=builtin:tiny] [--env=lookup] [--tasks=8] [--group=8]
-                               [--turns=8] [--out=workdirs/benchmark]
+    python -m launch.benchmark [--model=builtin:micro] [--env=lookup] [--tasks=8] [--group=8]
+                               [--turns=8] [--big] [--scaling] [--out=workdirs/benchmark]
 
-Measured in one process, same model, same tasks, same budgets:
-  * jax:   `jaxagent.rollout.rollout` with the JAX-native environment (one compiled program);
-  * host:  the same engine with the host (Python) environment between jitted turn halves;
-  * naive: what users write today: a Python loop over turns that re-encodes the whole history
-           with `policy.generate` each turn and steps a Python environment.
-Each is run once to compile, then timed over --repeats runs (median). Writes benchmark.json and
-benchmark.md. (Issue 9 extends this with update-step MFU and scaling curves.)
+Same process, same model, same tasks, same budgets for every method:
+  * machine: peak matmul FLOP/s (a jitted float32 2048^3 matmul, best of several) and memory read
+    bandwidth (a jitted sum over a 512 MiB array, best of several);
+  * jax:    `jaxagent.rollout.rollout` with the JAX-native environment (one compiled program);
+  * host:   the same engine with the host (Python) environment between jitted turn halves;
+  * naive:  what users write today: a Python loop over turns that re-encodes the whole history
+            with `policy.generate` each turn and steps a Python environment;
+  * decode: the same number of tokens per row decoded with no environment at all (one prefill of
+            the first observation, then plain sampling), and its memory-bandwidth bound: every
+            decode step reads the parameters and each row's KV cache once;
+  * update: the RL update (PPO-clip, GRPO, KL to a reference, as the default config) on the jax
+            rollout's trajectories: real tokens/s, and model FLOP utilisation (analytic FLOPs of
+            the forward and backward passes and the reference pass, over the measured peak);
+  * big:    decode and update of a ~100M-parameter model with random weights (12 layers, width
+            768) on a smaller batch;
+  * scaling: jitted-rollout episodes/s as the batch, the turns per episode and the tokens per
+            turn (context length) grow; a table and scaling.png.
+Compilation is excluded (each program runs once first); times are the median of --repeats runs.
+Writes benchmark.json and benchmark.md (the tables) to --out.
 """
 
+from __future__ import annotations
+
+import dataclasses
 import json
 import pathlib
+import platform
 import statistics
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
-from absl import app, flags
+from absl import app, flags, logging
 
-_MODEL = flags.DEFINE_string("model", "builtin:tiny", "builtin:NAME or a local HF directory.")
+_MODEL = flags.DEFINE_string("model", "builtin:micro", "builtin:NAME or a local HF directory.")
 _ENV = flags.DEFINE_string("env", "lookup", "Environment (the host path exists for lookup).")
-_TASKS = flags.DEFINE_integer("tasks", 8, "Tasks per batch.")
+_TASKS = flags.DEFINE_integer("tasks", 8, "Tasks per batch (the default config's RL batch).")
 _GROUP = flags.DEFINE_integer("group", 8, "Episodes per task.")
 _TURNS = flags.DEFINE_integer("turns", 8, "Budget (turns) of every episode.")
-_REPEATS = flags.DEFINE_integer("repeats", 3, "Timed runs per method (median reported).")
+_REPEATS = flags.DEFINE_integer("repeats", 2, "Timed runs per measurement (median reported).")
+_BIG = flags.DEFINE_bool("big", True, "Also measure a larger random-weight model (--big_size).")
+_BIG_SIZE = flags.DEFINE_enum("big_size", "100m", ["100m", "0.5b"],
+                              "The larger model: ~100M (CPU) or ~0.5B parameters (an accelerator).")
+_BIG_DTYPE = flags.DEFINE_enum("big_dtype", "float32", ["float32", "bfloat16"],
+                               "Parameter and compute dtype of the larger model.")
+_BIG_EPISODES = flags.DEFINE_integer("big_episodes", 8, "Episodes of the ~100M model's batch.")
+_BIG_TURNS = flags.DEFINE_integer("big_turns", 2, "Turns of the ~100M model's episodes.")
+_SCALING = flags.DEFINE_bool("scaling", True, "Measure the scaling sweep.")
 _OUT = flags.DEFINE_string("out", "workdirs/benchmark", "Output directory.")
 
+# Larger random-weight models on the built-in tokenizer's 720-token vocabulary. 100m: 12 x
+# (768 x 64 x (12 + 4 + 4 + 12) + 3 x 768 x 2816) ~ 97M in the layers; 0.5b: 32 x (1024 x 64 x
+# (16 + 4 + 4 + 16) + 3 x 1024 x 4096) ~ 487M (for a GPU or TPU: --big_size=0.5b
+# --big_dtype=bfloat16 --big_episodes=64 --big_turns=4 --noscaling).
+BIG = {"100m": dict(hidden_size=768, intermediate_size=2816, num_layers=12, num_heads=12,
+                    num_kv_heads=4, head_dim=64),
+       "0.5b": dict(hidden_size=1024, intermediate_size=4096, num_layers=32, num_heads=16,
+                    num_kv_heads=4, head_dim=64)}
 
-def _timed(fn, repeats):
-  fn()                                          # compile / warm up
+
+def _timed(fn, repeats: int):
+  """(median seconds, last output) over `repeats` runs after one untimed run (compilation)."""
+  out = fn()
   times = []
-  for _ in range(repeats):
+  for _ in range(max(1, repeats)):
     t0 = time.perf_counter()
     out = fn()
     times.append(time.perf_counter() - t0)
   return statistics.median(times), out
 
 
-def naive_rollout(policy, host_env, tasks, budget: int, max_new: int, seed: int):
+# ---------------------------------------------------------------------------------------------
+# The machine's limits.
+
+def peak_matmul_flops(n: int = 2048, repeats: int = 5) -> float:
+  """FLOP/s of a jitted float32 n^3 matmul, best of `repeats` (the machine's practical peak)."""
+  k1, k2 = jax.random.split(jax.random.key(0))
+  a = jax.random.normal(k1, (n, n), jnp.float32)
+  b = jax.random.normal(k2, (n, n), jnp.float32)
+  f = jax.jit(lambda a, b: a @ b)
+  f(a, b).block_until_ready()
+  best = min(_once(lambda: f(a, b).block_until_ready()) for _ in range(repeats))
+  return 2.0 * n ** 3 / best
+
+
+def read_bandwidth(mib: int = 512, repeats: int = 5) -> float:
+  """Bytes/s of a jitted sum over a float32 array of `mib` MiB, best of `repeats`."""
+  x = jnp.ones((mib * 2 ** 20 // 4,), jnp.float32)
+  f = jax.jit(jnp.sum)
+  f(x).block_until_ready()
+  best = min(_once(lambda: f(x).block_until_ready()) for _ in range(repeats))
+  return mib * 2 ** 20 / best
+
+
+def cpu_name() -> str:
+  """The CPU's model name and core count (from /proc/cpuinfo where there is one)."""
+  import os
+  name = platform.processor() or platform.machine()
+  try:
+    for line in open("/proc/cpuinfo"):
+      if line.startswith("model name"):
+        name = line.split(":", 1)[1].strip()
+        break
+  except OSError:
+    pass
+  return f"{name}, {os.cpu_count()} cores"
+
+
+def _once(fn) -> float:
+  t0 = time.perf_counter()
+  fn()
+  return time.perf_counter() - t0
+
+
+# ---------------------------------------------------------------------------------------------
+# Models and their costs.
+
+def random_policy(base, seed: int = 0, dtype: str = "float32", **sizes):
+  """A policy with `base`'s tokenizer and vocabulary, other sizes replaced, random weights."""
+  from jaxagent.models.policy import Policy, init_sharded
+  cfg = dataclasses.replace(base.config, dtype=dtype, param_dtype=dtype, **sizes)
+  return Policy(config=cfg, params=init_sharded(cfg, seed), tokenizer=base.tokenizer,
+                path=f"random({sizes})")
+
+
+def param_counts(cfg, params) -> dict:
+  """Total parameters, and those in matmuls per token (the layers plus the LM head)."""
+  total = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
+  layers = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params["layers"])
+               if x.ndim >= 3)
+  return {"total": total, "matmul": layers + cfg.vocab_size * cfg.hidden_size}
+
+
+def forward_flops(cfg, counts: dict, lengths) -> float:
+  """Model FLOPs of one forward pass over sequences of these lengths (real tokens only): 2 per
+  matmul parameter per token, plus causal attention (QK and PV: 4 x heads x head_dim per
+  earlier position per layer)."""
+  lengths = np.asarray(lengths, np.float64)
+  tokens = lengths.sum()
+  pairs = (lengths * (lengths + 1) / 2).sum()
+  return 2.0 * counts["matmul"] * tokens + 4.0 * cfg.num_layers * cfg.num_heads * cfg.head_dim * pairs
+
+
+def kv_bytes_per_slot(cfg) -> int:
+  return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * jnp.dtype(cfg.jnp_dtype).itemsize
+
+
+def decode_bound_seconds(cfg, param_bytes: int, prompt_lens, new_tokens, bandwidth: float) -> float:
+  """Time to read, at `bandwidth`, the parameters once per decode step plus every live row's KV
+  cache (its prompt and the tokens decoded so far) once per step."""
+  prompt_lens = np.asarray(prompt_lens, np.float64)
+  n = np.asarray(new_tokens, np.float64)
+  kv_slots = (n * prompt_lens + n * (n - 1) / 2).sum()
+  return (param_bytes * n.max() + kv_slots * kv_bytes_per_slot(cfg)) / bandwidth
+
+
+# ---------------------------------------------------------------------------------------------
+# Rollouts.
+
+def naive_rollout(policy, host_env, tasks, budget: int, max_new: int, seed: int) -> int:
   """Python loop over turns; each turn re-encodes the full history of every episode."""
+  from jaxagent.envs.base import TokenBuffer
   state, obs = host_env.reset(tasks, -1)
   b = len(obs.length)
   history = [list(obs.tokens[i, :obs.length[i]]) for i in range(b)]
@@ -62,7 +187,6 @@ def naive_rollout(policy, host_env, tasks, budget: int, max_new: int, seed: int)
       actions[i, :len(act)] = act
       lengths[i] = len(act)
       history[i] = history[i] + list(o) + ([] if o and o[-1] == eot else [eot])
-    from jaxagent.envs.base import TokenBuffer
     state, obs, info = host_env.step(state, TokenBuffer(actions, lengths))
     for i in live:
       history[i] += list(obs.tokens[i, :obs.length[i]])
@@ -70,50 +194,240 @@ def naive_rollout(policy, host_env, tasks, budget: int, max_new: int, seed: int)
   return generated
 
 
+def _rollout_fn(policy, env, tasks, group, turns, action_tokens=None):
+  from jaxagent.rollout import rollout
+
+  def run():
+    traj = rollout(policy, env, jax.random.key(1), tasks, group, turns, max_turns=turns,
+                   max_action_tokens=action_tokens)
+    jax.block_until_ready(traj.tokens)
+    return traj
+  return run
+
+
+def _rollout_row(secs: float, traj, episodes: int) -> dict:
+  toks = float(np.asarray(traj.loss_mask).sum())
+  return {"seconds": secs, "episodes_per_s": episodes / secs, "generated_tokens": toks,
+          "generated_tokens_per_s": toks / secs,
+          "mean_length": float(np.asarray(traj.length).mean()),
+          "turns": int(np.asarray(traj.num_turns).sum())}
+
+
+def decode_only(policy, env, tasks, group: int, traj, bandwidth: float, repeats: int) -> dict:
+  """The rollout's generated tokens, row by row, decoded with no environment: one prefill of the
+  first observation, then sampling with no stop token for exactly as many tokens as the row
+  generated in the rollout. Reports its time, tokens/s and the bandwidth bound."""
+  from jaxagent.rollout import sampler
+  from jaxagent.rollout.api import build_batch
+  b = int(traj.batch_size)
+  batch, _, _, _ = build_batch(env, jax.random.key(0), tasks, group)
+  _, obs0 = jax.vmap(env.reset)(jax.random.split(jax.random.key(2), b), batch,
+                                jnp.full((b,), -1, jnp.int32))
+  n = np.asarray(traj.loss_mask).sum(axis=1).astype(np.int32)
+  cap = int(-(-int(n.max()) // 64) * 64)
+  stop = jnp.full((b, 1), -1, jnp.int32)
+  sc = sampler.SamplingConfig.make(1.0)
+
+  def run():
+    g = sampler.generate(policy.config, policy.params, obs0.tokens, obs0.length,
+                         jax.random.key(3), sc, jnp.asarray(n), stop, max_new_tokens=cap)
+    return jax.block_until_ready(g.tokens)
+
+  secs, _ = _timed(run, repeats)
+  param_bytes = sum(x.nbytes for x in jax.tree.leaves(policy.params))
+  bound = decode_bound_seconds(policy.config, param_bytes, np.asarray(obs0.length), n, bandwidth)
+  return {"seconds": secs, "tokens": int(n.sum()), "tokens_per_s": float(n.sum()) / secs,
+          "bound_seconds": bound, "bound_tokens_per_s": float(n.sum()) / bound,
+          "fraction_of_bound": bound / secs}
+
+
+def update_step(policy, traj, peak: float, repeats: int) -> dict:
+  """The default config's RL update on `traj`: seconds, real tokens/s, model FLOP utilisation."""
+  from configs.default import get_config
+  from jaxagent.learners import trainer
+  from jaxagent.learners.update import init_train_state, make_update_fn
+  from jaxagent.rollout.trajectory import trim
+  config = get_config("default")
+  lcfg = trainer.learner_config(config)
+  if traj.batch_size % lcfg.minibatches:
+    lcfg = dataclasses.replace(lcfg, minibatches=1)
+  optimizer = lcfg.make_optimizer(total_steps=1000)
+  update = make_update_fn(lcfg, policy.config, optimizer)
+  ref = jax.tree.map(jnp.copy, policy.params) if lcfg.kl_coef > 0 else None
+  traj = trim(traj)
+  state = [init_train_state(jax.tree.map(jnp.copy, policy.params), optimizer, jax.random.key(0))]
+
+  def run():
+    state[0], metrics = update(state[0], traj, ref)
+    return jax.block_until_ready(metrics)
+
+  secs, _ = _timed(run, repeats)
+  lengths = np.asarray(traj.length)
+  counts = param_counts(policy.config, policy.params)
+  fwd = forward_flops(policy.config, counts, lengths)
+  passes = 3 * lcfg.epochs + (1 if ref is not None else 0)    # fwd + bwd per epoch, reference
+  flops = passes * fwd
+  return {"seconds": secs, "tokens": int(lengths.sum()), "padded_length": int(traj.tokens.shape[1]),
+          "tokens_per_s": float(lengths.sum()) / secs, "model_flops": flops,
+          "model_flops_per_s": flops / secs, "mfu": flops / secs / peak,
+          "params": counts["total"]}
+
+
+# ---------------------------------------------------------------------------------------------
+
+def scaling(policy, env, repeats: int, base_batch: int, base_turns: int) -> list[dict]:
+  """Jitted-rollout throughput as batch, turns and tokens per turn grow (one axis at a time)."""
+  a_max = env.max_action_len
+  points = ([("batch", b, 4, a_max) for b in (16, 64, 256)]
+            + [("turns", base_batch, t, a_max) for t in (2, 4, 8)]
+            + [("tokens per turn", base_batch, base_turns, a) for a in (8, 16, a_max)])
+  rows = []
+  for axis, b, t, a in points:
+    group = 8
+    tasks = jax.vmap(env.sample_task)(jax.random.split(jax.random.key(0), b // group))
+    secs, traj = _timed(_rollout_fn(policy, env, tasks, group, t, a), repeats)
+    row = {"axis": axis, "episodes": b, "turns": t, "tokens_per_turn": a,
+           **_rollout_row(secs, traj, b)}
+    logging.info("scaling %s: %s", axis, row)
+    rows.append(row)
+  return rows
+
+
+def scaling_plot(rows: list[dict], path) -> str:
+  from jaxagent.eval.plots import plt, _save
+  axes_spec = (("batch", "episodes", "episodes per batch"), ("turns", "turns", "turns per episode"),
+               ("tokens per turn", "mean_length", "mean transcript length (tokens)"))
+  fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
+  for ax, (axis, key, label) in zip(axes, axes_spec):
+    pts = [r for r in rows if r["axis"] == axis]
+    x = [r[key] for r in pts]
+    ax.plot(x, [r["episodes_per_s"] for r in pts], "o-", label="episodes/s")
+    ax2 = ax.twinx()
+    ax2.plot(x, [r["generated_tokens_per_s"] for r in pts], "s--", color="tab:orange",
+             label="generated tokens/s")
+    ax.set_xlabel(label)
+    ax.set_ylabel("episodes/s")
+    ax2.set_ylabel("generated tokens/s", color="tab:orange")
+    if axis == "batch":
+      ax.set_xscale("log", base=2)
+    ax.set_title(f"jitted rollout vs {axis}")
+  fig.tight_layout()
+  return _save(fig, path)
+
+
+def _fmt(x, digits=1):
+  return f"{x:,.{digits}f}"
+
+
+def markdown(res: dict) -> str:
+  m = res["machine"]
+  lines = [f"Machine: {m['cpu']}, {m['devices']} ({m['backend']}), jax {m['jax']}. "
+           f"Measured peak float32 matmul {m['peak_gflops']:.1f} GFLOP/s; "
+           f"read bandwidth {m['bandwidth_gbs']:.1f} GB/s.", ""]
+  r = res["rollout"]
+  lines += [f"Rollout: {res['model']} ({res['params']:,} parameters), {res['env']}, "
+            f"{res['episodes']} episodes x {res['turns']} turns.", "",
+            "| method | seconds | episodes/s | generated tokens/s | time vs jax |",
+            "|---|---|---|---|---|"]
+  for k in ("jax", "host", "naive"):
+    lines.append(f"| {k} | {r[k]['seconds']:.2f} | {_fmt(r[k]['episodes_per_s'])} | "
+                 f"{_fmt(r[k]['generated_tokens_per_s'], 0)} | "
+                 f"{r[k]['seconds'] / r['jax']['seconds']:.2f}x |")
+  d = res["decode"]
+  lines.append(f"| decode only (no environment) | {d['seconds']:.2f} | | "
+               f"{_fmt(d['tokens_per_s'], 0)} | {d['seconds'] / r['jax']['seconds']:.2f}x |")
+  lines += ["", "| measure | value | target |", "|---|---|---|",
+            f"| jax rollout vs naive loop (episodes/s) | {r['naive']['seconds'] / r['jax']['seconds']:.1f}x | >= 10x |",
+            f"| jax rollout time / decode-only time | {r['jax']['seconds'] / d['seconds']:.2f} | <= 1.5 |"]
+  big_name = f"~{res['big']['size'].upper()} " if res.get("big") else ""
+  for name, sec in (("", res), (big_name, res.get("big") or {})):
+    if not sec:
+      continue
+    dd, u = sec["decode"], sec["update"]
+    lines += [f"| {name}decode tokens/s (bound) | {_fmt(dd['tokens_per_s'], 0)} "
+              f"({_fmt(dd['bound_tokens_per_s'], 0)}: {100 * dd['fraction_of_bound']:.0f}% of it) | |",
+              f"| {name}update tokens/s, MFU | {_fmt(u['tokens_per_s'], 0)}, "
+              f"{100 * u['mfu']:.1f}% of peak ({u['model_flops_per_s'] / 1e9:.1f} GFLOP/s) | "
+              f"{'>= 40%' if name else ''} |"]
+  if res.get("big"):
+    b = res["big"]
+    lines += ["", f"{big_name}model: {b['params']:,} parameters ({b['dtype']}), random weights, "
+              f"{b['episodes']} "
+              f"episodes x {b['turns']} turns (decode {b['decode']['tokens']} tokens; update "
+              f"{b['update']['tokens']} tokens padded to {b['update']['padded_length']})."]
+  if res.get("scaling"):
+    lines += ["", "Scaling of the jitted rollout (one axis at a time; scaling.png):", "",
+              "| axis | episodes | turns | tokens/turn | mean length | seconds | episodes/s | "
+              "generated tokens/s |", "|---|---|---|---|---|---|---|---|"]
+    for s in res["scaling"]:
+      lines.append(f"| {s['axis']} | {s['episodes']} | {s['turns']} | {s['tokens_per_turn']} | "
+                   f"{s['mean_length']:.0f} | {s['seconds']:.2f} | {_fmt(s['episodes_per_s'])} | "
+                   f"{_fmt(s['generated_tokens_per_s'], 0)} |")
+  return "\n".join(lines) + "\n"
+
+
 def main(argv):
   del argv
   import jaxagent.envs as envs
   from jaxagent.envs.host import HostLookupEnv
   from jaxagent.models import from_pretrained
-  from jaxagent.rollout import rollout
+  t_start = time.perf_counter()
+  reps = _REPEATS.value
+  peak, bw = peak_matmul_flops(), read_bandwidth()
+  logging.info("peak matmul %.1f GFLOP/s, read bandwidth %.1f GB/s", peak / 1e9, bw / 1e9)
   policy = from_pretrained(_MODEL.value)
   env = envs.make(_ENV.value, policy.tokenizer)
   host = HostLookupEnv(env.codec)
   n, g, turns = _TASKS.value, _GROUP.value, _TURNS.value
   tasks = jax.vmap(env.sample_task)(jax.random.split(jax.random.key(0), n))
   a = env.max_action_len
-  results = {}
-
-  def run(e):
-    traj = rollout(policy, e, jax.random.key(1), tasks, g, turns, max_turns=turns,
-                   max_action_tokens=a)
-    jax.block_until_ready(traj.tokens)
-    return traj
-
+  res = {"model": _MODEL.value, "env": _ENV.value, "episodes": n * g, "turns": turns,
+         "params": param_counts(policy.config, policy.params)["total"],
+         "machine": {"cpu": cpu_name(),
+                     "devices": f"{jax.device_count()} x {jax.devices()[0].device_kind}",
+                     "backend": jax.default_backend(), "jax": jax.__version__,
+                     "peak_gflops": peak / 1e9, "bandwidth_gbs": bw / 1e9}}
+  rollouts = {}
   for name, e in (("jax", env), ("host", host)):
-    secs, traj = _timed(lambda: run(e), _REPEATS.value)
-    toks = float(np.asarray(traj.loss_mask).sum())
-    results[name] = {"seconds": secs, "episodes_per_s": n * g / secs,
-                     "generated_tokens_per_s": toks / secs,
-                     "turns": int(np.asarray(traj.num_turns).sum())}
+    secs, traj = _timed(_rollout_fn(policy, e, tasks, g, turns), reps)
+    rollouts[name] = _rollout_row(secs, traj, n * g)
+    if name == "jax":
+      jax_traj = traj
+    logging.info("%s rollout: %s", name, rollouts[name])
   rep_tasks = jax.tree.map(lambda x: np.repeat(np.asarray(x), g, axis=0), tasks)
-  secs, toks = _timed(lambda: naive_rollout(policy, host, rep_tasks, turns, a, 0), _REPEATS.value)
-  results["naive"] = {"seconds": secs, "episodes_per_s": n * g / secs,
-                      "generated_tokens_per_s": toks / secs}
-  for k in ("host", "naive"):
-    results[k]["jax_speedup"] = results[k]["seconds"] / results["jax"]["seconds"]
+  secs, toks = _timed(lambda: naive_rollout(policy, host, rep_tasks, turns, a, 0), reps)
+  rollouts["naive"] = {"seconds": secs, "episodes_per_s": n * g / secs,
+                       "generated_tokens_per_s": toks / secs}
+  res["rollout"] = rollouts
+  res["decode"] = decode_only(policy, env, tasks, g, jax_traj, bw, reps)
+  res["update"] = update_step(policy, jax_traj, peak, reps)
+  logging.info("decode %s; update %s", res["decode"], res["update"])
+  if _BIG.value:
+    big = random_policy(policy, dtype=_BIG_DTYPE.value, **BIG[_BIG_SIZE.value])
+    bg = 4
+    btasks = jax.vmap(env.sample_task)(
+        jax.random.split(jax.random.key(0), max(1, _BIG_EPISODES.value // bg)))
+    bturns = _BIG_TURNS.value
+    secs, btraj = _timed(_rollout_fn(big, env, btasks, bg, bturns), 1)
+    res["big"] = {"size": _BIG_SIZE.value, "dtype": _BIG_DTYPE.value,
+                  "params": param_counts(big.config, big.params)["total"],
+                  "episodes": int(btraj.batch_size), "turns": bturns,
+                  "rollout": _rollout_row(secs, btraj, int(btraj.batch_size)),
+                  "decode": decode_only(big, env, btasks, bg, btraj, bw, 1),
+                  "update": update_step(big, btraj, peak, 1)}
+    logging.info("big: %s", res["big"])
   out = pathlib.Path(_OUT.value)
   out.mkdir(parents=True, exist_ok=True)
-  meta = {"model": _MODEL.value, "env": _ENV.value, "episodes": n * g, "turns": turns,
-          "devices": [str(d) for d in jax.devices()][:1], "results": results}
-  (out / "benchmark.json").write_text(json.dumps(meta, indent=2))
-  lines = ["| method | seconds | episodes/s | generated tokens/s | jax speed-up |",
-           "|---|---|---|---|---|"]
-  for k, r in results.items():
-    lines.append(f"| {k} | {r['seconds']:.2f} | {r['episodes_per_s']:.1f} | "
-                 f"{r['generated_tokens_per_s']:.0f} | {r.get('jax_speedup', 1.0):.1f}x |")
-  (out / "benchmark.md").write_text("\n".join(lines) + "\n")
-  print("\n".join(lines))
+  if _SCALING.value:
+    res["scaling"] = scaling(policy, env, 1, n * g, turns)
+    scaling_plot(res["scaling"], out / "scaling.png")
+  res["seconds"] = time.perf_counter() - t_start
+  (out / "benchmark.json").write_text(json.dumps(res, indent=2))
+  md = markdown(res)
+  (out / "benchmark.md").write_text(md + f"\nWhole benchmark: {res['seconds']:.0f} s.\n")
+  print(md)
+  print(f"wrote {out}/benchmark.md, benchmark.json" + (", scaling.png" if _SCALING.value else "")
+        + f" ({res['seconds']:.0f} s)")
 
 
 if __name__ == "__main__":

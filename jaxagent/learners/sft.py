@@ -41,7 +41,7 @@ def make_sft_step(cfg: ModelConfig, optimizer: optax.GradientTransformation):
     (_, metrics), grads = grad_fn(state.params)
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
-    metrics["grad_norm"] = optax.global_norm(grads)
+    metrics["grad_norm"] = optax.tree.norm(grads)
     return state.replace(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
   return step
