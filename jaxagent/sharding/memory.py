@@ -48,11 +48,12 @@ loc(axes, shape) = elements of that global shape on one device under the rules (
                 batch over (data, fsdp), kv_heads over tensor) + 4*loc(G) lengths
   rollout_buffers = 36*loc(G, S): the engine's four [B, S] transcript buffers (16 bytes per
                 token) and the returned trajectory's five (20 bytes per token)
-  rollout_transient = the prefill of the prompt (the largest chunk; nothing is saved across
-                layers): max((8 + c)*loc(G, H, P, S) + loc(G, P, S),  4*loc(G, P, V)) -- float32
-                scores, their masked copy and the probabilities of one layer plus the bool mask,
-                or the float32 logits of every prompt position (`prefill` computes [B, P, V]
-                logits and keeps the last position's)
+  rollout_transient = one prefill chunk of the prompt (`sampler.prefill` appends at most
+                C = min(P, PREFILL_CHUNK) tokens at a time; nothing is saved across layers):
+                (8 + c)*loc(G, H, C, C + CB) + loc(G, C, C) -- float32 scores of the chunk
+                against itself and one cache block of CB = CACHE_BLOCK slots, their masked copy
+                and the probabilities of one layer, plus the bool mask -- and 4*loc(G, V), the
+                float32 logits of each row's last token (the only position unembedded)
   trajectory  = 20*loc(G, S) (tokens, positions, loss mask, behaviour log-probs, turn ids)
 
 Phases: persistent = params + optimizer + reference; rollout = kv_cache + rollout_buffers +
@@ -372,11 +373,14 @@ def plan(model_cfg: ModelConfig, mesh_shape: Mapping[str, int], *, param_dtype: 
   kv = kv_cache_bytes(cfg, mesh, g, seq_len)
   rollout_buffers = _ROLLOUT_BUFFER_BYTES * tok_g
   c = cfg.jnp_dtype.itemsize
+  from jaxagent.rollout.sampler import PREFILL_CHUNK   # rollout imports sharding: not at the top
+  chunk = min(p_len, PREFILL_CHUNK)
   prompt_scores = local_elements(("batch", "heads", None, None),
-                                 (g, cfg.num_heads, p_len, seq_len), mesh)
-  prompt_mask = local_elements(("batch", None, None), (g, p_len, seq_len), mesh)
-  prompt_logits = local_elements(("batch", None, "vocab"), (g, p_len, cfg.vocab_size), mesh)
-  rollout_transient = max((8 + c) * prompt_scores + prompt_mask, 4 * prompt_logits)
+                                 (g, cfg.num_heads, chunk, chunk + min(decoder.CACHE_BLOCK, seq_len)),
+                                 mesh)
+  prompt_mask = local_elements(("batch", None, None), (g, chunk, chunk), mesh)
+  last_logits = local_elements(("batch", "vocab"), (g, cfg.vocab_size), mesh)
+  rollout_transient = (8 + c) * prompt_scores + prompt_mask + 4 * last_logits
   reference_pass = 0
   if reference_policy == "host":
     chunk = min(logprob_chunk, max(seq_len - 1, 1))
