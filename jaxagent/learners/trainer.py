@@ -30,7 +30,8 @@ from jaxagent.data import demos as demo_data
 from jaxagent.data import tasks as task_data
 from jaxagent.learners import sft as sft_lib
 from jaxagent.learners.logger import MetricsLog, check_finite
-from jaxagent.learners.update import LearnerConfig, TrainState, make_optimizer, make_update_fn
+from jaxagent.learners.update import (LearnerConfig, TrainState, make_optimizer, make_update_fn,
+                                      offload_to_host)
 from jaxagent.models import Policy, from_pretrained
 from jaxagent.rollout import budget as budget_lib
 from jaxagent.rollout import rollout
@@ -276,6 +277,8 @@ def run_rl(config, workdir, policy: Policy, env, params, fingerprint) -> Any:
                    lambda: make_update_fn(lcfg, policy.config, optimizer))
   # A copy: the update donates the train state, whose params start as these arrays.
   ref_params = jax.tree.map(jnp.copy, params) if lcfg.kl_coef > 0 else None
+  if ref_params is not None and c.get("reference_on_host", False):
+    ref_params = offload_to_host(ref_params)
   state = new_train_state(policy, params, optimizer, jax.random.key(config.seed + 2))
   state, start = phase.restore(state)
   if start >= c.steps:

@@ -246,7 +246,7 @@ def make_update_fn(cfg: LearnerConfig, model_cfg: ModelConfig, optimizer: optax.
         episode_weight=mb.weight)
     return loss, dict(metrics, loss=loss)
 
-  def update(state: TrainState, traj: Trajectory, ref_params=None, mesh=None):
+  def update(state: TrainState, traj: Trajectory, ref_params=None, mesh=None, ref_on_host=False):
     b = traj.batch_size
     if b % cfg.minibatches:
       raise ValueError(f"batch of {b} episodes is not divisible into {cfg.minibatches} "
@@ -263,6 +263,8 @@ def make_update_fn(cfg: LearnerConfig, model_cfg: ModelConfig, optimizer: optax.
                              normalize_std=cfg.normalize_std, eps=cfg.advantage_eps)     # [B]
     ref_logp = None
     if ref_params is not None:
+      if ref_on_host:       # offloaded to host memory between updates: to the device for the pass
+        ref_params = jax.tree.map(lambda x: jax.device_put(x, jax.memory.Space.Device), ref_params)
       ref_logp = jax.lax.stop_gradient(token_logprobs(
           model_cfg, ref_params, traj.tokens, traj.length, cfg.temperature, cfg.logprob_chunk))
     batch = _Batch(tokens=traj.tokens, length=traj.length,
@@ -299,7 +301,25 @@ def make_update_fn(cfg: LearnerConfig, model_cfg: ModelConfig, optimizer: optax.
                            opt_state=opt_state, key=key)
     return new_state, metrics
 
-  return _MeshUpdate(jax.jit(update, donate_argnums=0, static_argnums=3))
+  return _MeshUpdate(jax.jit(update, donate_argnums=0, static_argnums=(3, 4)))
+
+
+HOST_MEMORY = "pinned_host"
+
+
+def offload_to_host(tree):
+  """The arrays of `tree` moved to host memory (pinned_host), each keeping its sharding's layout
+  over devices: the frozen reference policy of the KL term costs no device memory between
+  updates, and the update moves it back for its reference pass."""
+  return jax.tree.map(
+      lambda x: jax.device_put(x, x.sharding.with_memory_kind(HOST_MEMORY)), tree)
+
+
+def on_host(tree) -> bool:
+  """Whether the arrays of `tree` live in host memory (see `offload_to_host`)."""
+  leaves = jax.tree.leaves(tree)
+  return bool(leaves) and all(
+      getattr(getattr(x, "sharding", None), "memory_kind", None) == HOST_MEMORY for x in leaves)
 
 
 def _mesh_of(*trees):
@@ -320,16 +340,17 @@ class _MeshUpdate:
     self._jitted = jitted
 
   def _args(self, state, traj, ref_params=None):
-    return state, traj, ref_params, _mesh_of(traj.tokens, state.params)
+    return (state, traj, ref_params, _mesh_of(traj.tokens, state.params),
+            on_host(ref_params))
 
   def __call__(self, state: TrainState, traj: Trajectory, ref_params=None):
     args = self._args(state, traj, ref_params)
-    with mesh_context(args[-1]):          # the decoder keeps activations split over the batch
+    with mesh_context(args[3]):          # the decoder keeps activations split over the batch
       return self._jitted(*args)
 
   def lower(self, state: TrainState, traj: Trajectory, ref_params=None):
     args = self._args(state, traj, ref_params)
-    with mesh_context(args[-1]):
+    with mesh_context(args[3]):
       return self._jitted.lower(*args)
 
   def _cache_size(self) -> int:

@@ -27,7 +27,8 @@ loc(axes, shape) = elements of that global shape on one device under the rules (
   gradients   = params (same dtype and sharding; they exist during the update's backward pass)
   reference   = params if reference_policy == "device" (the trainer's copy when kl_coef > 0),
                 0 for "none"; for "host" it is 0 persistently and counted only in its own
-                reference-pass phase (the trainer does not implement host offload yet)
+                reference-pass phase (rl.reference_on_host: the trainer offloads it to pinned host
+                memory and the update moves it back for the pass)
   activations = saved residuals of the update's forward + backward through the layer scan, for
                 one minibatch of M episodes x S tokens. With T = loc((M, S)) tokens per device:
       layer(Sq, Sk) = T*(2c + 16)*D                      x, normed x (c) and 4 float32 norm terms
@@ -357,9 +358,6 @@ def plan(model_cfg: ModelConfig, mesh_shape: Mapping[str, int], *, param_dtype: 
                  "projections and the KV cache are replicated over tensor")
   if remat:
     notes.append("remat=True is an estimate: the decoder has no per-layer remat switch yet")
-  if reference_policy == "host":
-    notes.append("reference_policy=host is an estimate: the trainer keeps a device copy when "
-                 "kl_coef > 0")
 
   params = param_bytes(cfg, mesh)
   opt = optimizer_bytes(cfg, mesh, optimizer)
@@ -532,8 +530,8 @@ def plan_for_config(config, num_devices: int | None = None, *, context_len: int 
   """The plan of one RL step of a training config on `num_devices` devices (default the
   config's num_devices, else all): config.model (config.json and dtypes), config.mesh,
   rl.num_tasks * rl.group_size episodes, the rollout context from the environment (or
-  `context_len` / `prompt_len` given), the learner's minibatches and log-prob chunk, a device
-  reference copy when rl.learner.kl_coef > 0 (as the trainer keeps one)."""
+  `context_len` / `prompt_len` given), the learner's minibatches and log-prob chunk, the reference
+  copy when rl.learner.kl_coef > 0, on the device or (rl.reference_on_host) on the host."""
   if num_devices is None:
     num_devices = config.num_devices or jax.device_count()
   sizes = mesh_sizes(dict(config.mesh), num_devices)
@@ -546,4 +544,5 @@ def plan_for_config(config, num_devices: int | None = None, *, context_len: int 
               seq_len=context_len, prefill_len=prompt_len,
               minibatches=int(learner.get("minibatches", 1)),
               logprob_chunk=int(learner.get("logprob_chunk", 128)),
-              reference_policy="device" if float(learner.get("kl_coef", 0.0)) > 0 else "none")
+              reference_policy=("none" if float(learner.get("kl_coef", 0.0)) <= 0 else
+                                "host" if config.rl.get("reference_on_host", False) else "device"))

@@ -157,6 +157,28 @@ def test_kl_reference_and_group_filter(make_trajectory, small_model):
   assert _finite(state) and _finite(m)
 
 
+def test_reference_offloaded_to_host_gives_the_same_update(make_trajectory, small_model):
+  """rl.reference_on_host: the frozen reference lives in pinned host memory between updates;
+  the update moves it to the device for its reference pass and computes exactly the same."""
+  cfg = LearnerConfig(kl_coef=0.2, kl_estimator="k3", learning_rate=1e-2)
+  opt = cfg.make_optimizer(total_steps=4)
+  update = make_update_fn(cfg, small_model, opt)
+  ref = _params(small_model)
+  host_ref = update_lib.offload_to_host(_params(small_model))
+  assert update_lib.on_host(host_ref) and not update_lib.on_host(ref)
+  assert {x.sharding.memory_kind for x in jax.tree.leaves(host_ref)} == {"pinned_host"}
+  batch = _batch(make_trajectory, small_model, ref, 1, solved_rows=(0, 3, 5))
+  out = {}
+  for name, r in (("device", ref), ("host", host_ref)):
+    state = init_train_state(_params(small_model), opt, jax.random.key(0))
+    for _ in range(2):                                   # the second step has kl > 0
+      state, m = update(state, batch, r)
+    out[name] = (jax.tree.map(np.asarray, state.params), jax.tree.map(np.asarray, m))
+  assert float(out["host"][1]["kl"]) > 1e-6
+  chex.assert_trees_all_close(out["host"], out["device"], rtol=1e-6, atol=1e-7)
+  assert update_lib.on_host(host_ref)                    # still on the host after the updates
+
+
 def test_update_errors(make_trajectory, small_model):
   traj = _batch(make_trajectory, small_model, _params(small_model), 0, solved_rows=(0,))
   cfg = LearnerConfig(minibatches=3)
