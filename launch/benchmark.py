@@ -210,7 +210,7 @@ def _rollout_row(secs: float, traj, episodes: int) -> dict:
   return {"seconds": secs, "episodes_per_s": episodes / secs, "generated_tokens": toks,
           "generated_tokens_per_s": toks / secs,
           "mean_length": float(np.asarray(traj.length).mean()),
-          "turns": int(np.asarray(traj.num_turns).sum())}
+          "turns_taken": int(np.asarray(traj.num_turns).sum())}
 
 
 def decode_only(policy, env, tasks, group: int, traj, bandwidth: float, repeats: int) -> dict:
