@@ -315,15 +315,31 @@ def scaling_plot(rows: list[dict], path) -> str:
   return _save(fig, path)
 
 
+def _rescale(res: dict, peak_ratio: float, bw_ratio: float) -> None:
+  """Re-expresses MFU and bandwidth-bound fractions against limits raised by these ratios."""
+  m = res["machine"]
+  m["peak_gflops"] *= peak_ratio
+  m["bandwidth_gbs"] *= bw_ratio
+  for sec in (res, res.get("big") or {}):
+    if sec:
+      sec["update"]["mfu"] /= peak_ratio
+      d = sec["decode"]
+      d["bound_seconds"] /= bw_ratio
+      d["bound_tokens_per_s"] *= bw_ratio
+      d["fraction_of_bound"] /= bw_ratio
+
+
 def _fmt(x, digits=1):
   return f"{x:,.{digits}f}"
 
 
 def markdown(res: dict) -> str:
   m = res["machine"]
+  runs = lambda k: " and ".join(f"{v:.0f}" for v in m.get(k + "_runs", [m[k]]))
   lines = [f"Machine: {m['cpu']}, {m['devices']} ({m['backend']}), jax {m['jax']}. "
-           f"Measured peak float32 matmul {m['peak_gflops']:.1f} GFLOP/s; "
-           f"read bandwidth {m['bandwidth_gbs']:.1f} GB/s.", ""]
+           f"Measured peak float32 matmul {m['peak_gflops']:.1f} GFLOP/s (best of the runs at the "
+           f"start and the end: {runs('peak_gflops')}); read bandwidth {m['bandwidth_gbs']:.1f} "
+           f"GB/s ({runs('bandwidth_gbs')}).", ""]
   r = res["rollout"]
   lines += [f"Rollout: {res['model']} ({res['params']:,} parameters), {res['env']}, "
             f"{res['episodes']} episodes x {res['turns']} turns.", "",
@@ -421,6 +437,14 @@ def main(argv):
   if _SCALING.value:
     res["scaling"] = scaling(policy, env, 1, n * g, turns)
     scaling_plot(res["scaling"], out / "scaling.png")
+  # The machine's limits again at the end: on a shared or frequency-scaled machine one
+  # measurement can come out low; the best of the two is the limit (MFU and bound fractions are
+  # then conservative).
+  peak2, bw2 = peak_matmul_flops(), read_bandwidth()
+  res["machine"]["peak_gflops_runs"] = [peak / 1e9, peak2 / 1e9]
+  res["machine"]["bandwidth_gbs_runs"] = [bw / 1e9, bw2 / 1e9]
+  if peak2 > peak or bw2 > bw:
+    _rescale(res, max(peak, peak2) / peak, max(bw, bw2) / bw)
   res["seconds"] = time.perf_counter() - t_start
   (out / "benchmark.json").write_text(json.dumps(res, indent=2))
   md = markdown(res)
