@@ -213,10 +213,11 @@ def _rollout_row(secs: float, traj, episodes: int) -> dict:
           "turns_taken": int(np.asarray(traj.num_turns).sum())}
 
 
-def decode_only(policy, env, tasks, group: int, traj, bandwidth: float, repeats: int) -> dict:
+def decode_only(policy, env, tasks, group: int, traj, repeats: int) -> dict:
   """The rollout's generated tokens, row by row, decoded with no environment: one prefill of the
   first observation, then sampling with no stop token for exactly as many tokens as the row
-  generated in the rollout. Reports its time, tokens/s and the bandwidth bound."""
+  generated in the rollout. Reports its time, tokens/s and the bytes its bandwidth bound reads
+  (`with_limits` turns them into seconds)."""
   from jaxagent.rollout import sampler
   from jaxagent.rollout.api import build_batch
   b = int(traj.batch_size)
@@ -235,14 +236,14 @@ def decode_only(policy, env, tasks, group: int, traj, bandwidth: float, repeats:
 
   secs, _ = _timed(run, repeats)
   param_bytes = sum(x.nbytes for x in jax.tree.leaves(policy.params))
-  bound = decode_bound_seconds(policy.config, param_bytes, np.asarray(obs0.length), n, bandwidth)
+  bound_bytes = decode_bound_seconds(policy.config, param_bytes, np.asarray(obs0.length), n, 1.0)
   return {"seconds": secs, "tokens": int(n.sum()), "tokens_per_s": float(n.sum()) / secs,
-          "bound_seconds": bound, "bound_tokens_per_s": float(n.sum()) / bound,
-          "fraction_of_bound": bound / secs}
+          "bound_bytes": float(bound_bytes)}
 
 
-def update_step(policy, traj, peak: float, repeats: int) -> dict:
-  """The default config's RL update on `traj`: seconds, real tokens/s, model FLOP utilisation."""
+def update_step(policy, traj, repeats: int) -> dict:
+  """The default config's RL update on `traj`: seconds, real tokens/s, model FLOP/s (
+  `with_limits` adds the utilisation)."""
   from configs.default import get_config
   from jaxagent.learners import trainer
   from jaxagent.learners.update import init_train_state, make_update_fn
@@ -269,7 +270,7 @@ def update_step(policy, traj, peak: float, repeats: int) -> dict:
   flops = passes * fwd
   return {"seconds": secs, "tokens": int(lengths.sum()), "padded_length": int(traj.tokens.shape[1]),
           "tokens_per_s": float(lengths.sum()) / secs, "model_flops": flops,
-          "model_flops_per_s": flops / secs, "mfu": flops / secs / peak,
+          "model_flops_per_s": flops / secs,
           "params": counts["total"]}
 
 
@@ -315,18 +316,16 @@ def scaling_plot(rows: list[dict], path) -> str:
   return _save(fig, path)
 
 
-def _rescale(res: dict, peak_ratio: float, bw_ratio: float) -> None:
-  """Re-expresses MFU and bandwidth-bound fractions against limits raised by these ratios."""
-  m = res["machine"]
-  m["peak_gflops"] *= peak_ratio
-  m["bandwidth_gbs"] *= bw_ratio
+def with_limits(res: dict, peak: float, bandwidth: float) -> None:
+  """Adds each section's model FLOP utilisation (over `peak` FLOP/s) and its decode's bandwidth
+  bound (reading its bytes at `bandwidth` bytes/s) and fraction of that bound."""
   for sec in (res, res.get("big") or {}):
     if sec:
-      sec["update"]["mfu"] /= peak_ratio
+      sec["update"]["mfu"] = sec["update"]["model_flops_per_s"] / peak
       d = sec["decode"]
-      d["bound_seconds"] /= bw_ratio
-      d["bound_tokens_per_s"] *= bw_ratio
-      d["fraction_of_bound"] /= bw_ratio
+      d["bound_seconds"] = d["bound_bytes"] / bandwidth
+      d["bound_tokens_per_s"] = d["tokens"] / d["bound_seconds"]
+      d["fraction_of_bound"] = d["bound_seconds"] / d["seconds"]
 
 
 def _fmt(x, digits=1):
@@ -401,8 +400,7 @@ def main(argv):
          "params": param_counts(policy.config, policy.params)["total"],
          "machine": {"cpu": cpu_name(),
                      "devices": f"{jax.device_count()} x {jax.devices()[0].device_kind}",
-                     "backend": jax.default_backend(), "jax": jax.__version__,
-                     "peak_gflops": peak / 1e9, "bandwidth_gbs": bw / 1e9}}
+                     "backend": jax.default_backend(), "jax": jax.__version__}}
   rollouts = {}
   for name, e in (("jax", env), ("host", host)):
     secs, traj = _timed(_rollout_fn(policy, e, tasks, g, turns), reps)
@@ -415,8 +413,8 @@ def main(argv):
   rollouts["naive"] = {"seconds": secs, "episodes_per_s": n * g / secs,
                        "generated_tokens_per_s": toks / secs}
   res["rollout"] = rollouts
-  res["decode"] = decode_only(policy, env, tasks, g, jax_traj, bw, reps)
-  res["update"] = update_step(policy, jax_traj, peak, reps)
+  res["decode"] = decode_only(policy, env, tasks, g, jax_traj, reps)
+  res["update"] = update_step(policy, jax_traj, reps)
   logging.info("decode %s; update %s", res["decode"], res["update"])
   if _BIG.value:
     big = random_policy(policy, dtype=_BIG_DTYPE.value, **BIG[_BIG_SIZE.value])
@@ -429,8 +427,8 @@ def main(argv):
                   "params": param_counts(big.config, big.params)["total"],
                   "episodes": int(btraj.batch_size), "turns": bturns,
                   "rollout": _rollout_row(secs, btraj, int(btraj.batch_size)),
-                  "decode": decode_only(big, env, btasks, bg, btraj, bw, 1),
-                  "update": update_step(big, btraj, peak, 1)}
+                  "decode": decode_only(big, env, btasks, bg, btraj, 1),
+                  "update": update_step(big, btraj, 1)}
     logging.info("big: %s", res["big"])
   out = pathlib.Path(_OUT.value)
   out.mkdir(parents=True, exist_ok=True)
@@ -441,10 +439,11 @@ def main(argv):
   # measurement can come out low; the best of the two is the limit (MFU and bound fractions are
   # then conservative).
   peak2, bw2 = peak_matmul_flops(), read_bandwidth()
-  res["machine"]["peak_gflops_runs"] = [peak / 1e9, peak2 / 1e9]
-  res["machine"]["bandwidth_gbs_runs"] = [bw / 1e9, bw2 / 1e9]
-  if peak2 > peak or bw2 > bw:
-    _rescale(res, max(peak, peak2) / peak, max(bw, bw2) / bw)
+  m = res["machine"]
+  m["peak_gflops_runs"] = [peak / 1e9, peak2 / 1e9]
+  m["bandwidth_gbs_runs"] = [bw / 1e9, bw2 / 1e9]
+  m["peak_gflops"], m["bandwidth_gbs"] = max(peak, peak2) / 1e9, max(bw, bw2) / 1e9
+  with_limits(res, max(peak, peak2), max(bw, bw2))
   res["seconds"] = time.perf_counter() - t_start
   (out / "benchmark.json").write_text(json.dumps(res, indent=2))
   md = markdown(res)
