@@ -1,6 +1,8 @@
-"""Test setup: 8 fake CPU devices for sharding tests, float32 matmuls, a shared tiny tokenizer."""
+"""Test setup: 8 fake CPU devices for sharding tests, float32 matmuls, a shared tiny tokenizer,
+and a persistent XLA compilation cache."""
 
 import os
+import tempfile
 
 # Must be set before jax initialises its backends.
 os.environ.setdefault("XLA_FLAGS", "")
@@ -9,6 +11,17 @@ if "xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# Many tests compile the same programs: in-process through new closures (a new update function
+# per test), and again in the subprocesses of the launch, study and multi-process tests. JAX's
+# persistent cache (keyed by the program, its compile options, the backend and the jax version)
+# lets every one after the first load the executable instead of compiling it; the env vars reach
+# the xdist workers and every subprocess. A size limit turns on jax's file lock, so concurrent
+# workers never read an entry while it is being written.
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR",
+                      os.path.join(tempfile.gettempdir(), f"jaxagent-tests-xla-{os.getuid()}"))
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.1")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(4 << 30))
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 import jax  # noqa: E402
