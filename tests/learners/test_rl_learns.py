@@ -12,7 +12,6 @@ with a penalty per invalid call, has to find the valid, hinted moves in its own 
 import pathlib
 
 import jax
-import numpy as np
 import pytest
 
 from configs.default import get_config
