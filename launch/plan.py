@@ -1,7 +1,7 @@
 """Memory plan of a training config: bytes per device of one RL step on the config's mesh.
 
     python -m launch.plan --config=configs/default.py:smoke
-    python -m launch.plan --config=configs/qwen.py:qwen2.5-7b \\
+    python -m launch.plan --config=configs/hf.py:qwen2.5-7b \\
         --config.model.path=/models/Qwen2.5-7B-Instruct --num_devices=8 --device_memory_gb=80
 
 Prints the table of `jaxagent.sharding.memory.plan_for_config` and exits 1 (with the changes

@@ -6,7 +6,7 @@
 #     launch/recipes/single_gpu.sh [--config.k=v ...]
 #   CONFIG=configs/default.py STEP=train ... launch/recipes/single_gpu.sh   # training only
 #
-# CONFIG defaults to configs/qwen.py:qwen2.5-1.5b (bfloat16, 128 episodes per RL step in 32
+# CONFIG defaults to configs/hf.py:qwen2.5-1.5b (bfloat16, 128 episodes per RL step in 32
 # minibatches, sized for one 80 GB GPU). The plan uses the memory the device reports (or
 # DEVICE_MEMORY_GB) and stops here, naming the change to make, if the run would not fit.
 # STEP: study (default) or train. DRY_RUN=1 prints the commands instead of running them.
@@ -14,7 +14,7 @@ set -euo pipefail
 
 cd "$(dirname "$0")/../.."
 : "${MODEL:?set MODEL (a local Hugging Face directory)}" "${WORKDIR:?set WORKDIR}"
-CONFIG=${CONFIG:-configs/qwen.py:qwen2.5-1.5b}
+CONFIG=${CONFIG:-configs/hf.py:qwen2.5-1.5b}
 STEP=${STEP:-study}
 PYTHON=${PYTHON:-.venv/bin/python}
 export CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0}

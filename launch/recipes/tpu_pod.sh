@@ -11,7 +11,7 @@
 # MODEL and WORKDIR must be the same path on every worker (a shared filesystem: Filestore/NFS or
 # a gcsfuse mount): each host reads only its own shards of the checkpoint, and checkpoints are
 # written by all hosts. NUM_DEVICES: the slice's JAX devices (chips; `jax.device_count()` after
-# initialisation). CONFIG (default configs/qwen.py:qwen2.5-7b) takes --config.* overrides after
+# initialisation). CONFIG (default configs/hf.py:qwen2.5-7b) takes --config.* overrides after
 # `train`. The processes join one JAX runtime through jax.distributed (JAXAGENT_DISTRIBUTED=auto:
 # JAX reads the slice layout from the TPU metadata). DRY_RUN=1 prints the commands instead.
 set -euo pipefail
@@ -19,7 +19,7 @@ set -euo pipefail
 STEP=${1:?"usage: $0 setup|plan|train [--config.k=v ...]"}
 shift
 : "${TPU_NAME:?set TPU_NAME (the TPU VM slice)}" "${ZONE:?set ZONE}" "${PROJECT:?set PROJECT}"
-CONFIG=${CONFIG:-configs/qwen.py:qwen2.5-7b}
+CONFIG=${CONFIG:-configs/hf.py:qwen2.5-7b}
 REMOTE_DIR=${REMOTE_DIR:-jaxagent}             # relative to each worker's home directory
 REPO=$(cd "$(dirname "$0")/../.." && pwd)
 

@@ -172,7 +172,7 @@ def test_tpu_pod_recipe_commands():
   assert train.startswith("gcloud compute tpus tpu-vm ssh pod --zone=z1 --project=p1 "
                           "--worker=all --command=")
   for part in ("JAXAGENT_DISTRIBUTED=auto", "-m\\ launch.train",
-               "--config=configs/qwen.py:qwen2.5-7b", "--workdir=/shared/run",
+               "--config=configs/hf.py:qwen2.5-7b", "--workdir=/shared/run",
                "--config.model.path=/shared/Qwen\\\\\\ 7B", "--config.rl.steps=3"):
     assert part in train, part
   [plan] = _dry("tpu_pod.sh", "plan", **env)
@@ -190,7 +190,7 @@ def test_slurm_recipe_commands():
   assert plan.startswith("env JAX_PLATFORMS=cpu .venv/bin/python -m launch.plan ")
   assert "--num_devices=16" in plan and "--device_memory_gb=80" in plan
   assert train == ("srun --kill-on-bad-exit=1 .venv/bin/python -m launch.train "
-                   "--config=configs/qwen.py:qwen2.5-7b --workdir=/shared/w "
+                   "--config=configs/hf.py:qwen2.5-7b --workdir=/shared/w "
                    "--config.model.path=/shared/m --config.rl.steps=3")
   _, per_node = _dry("slurm_gpu.sbatch", PER_NODE="1", **env)
   assert per_node.startswith("srun --kill-on-bad-exit=1 --ntasks-per-node=1 bash -c ")

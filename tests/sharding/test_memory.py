@@ -310,35 +310,54 @@ def test_plan_for_smoke_config():
 
 
 # Real dimensions (config.json of each checkpoint); the built-in tokenizer files stand in for the
-# real ones (the environment's token counts, hence the context, come out longer than Qwen's).
-QWEN = {
+# real ones (the environment's token counts, hence the context, come out longer than the real
+# tokenizers'). variant -> (config.json fields, parameter count, devices, episodes per device
+# per optimizer step). Parameter counts: the published totals (e.g. Qwen2.5-0.5B 0.49B, Llama
+# 3.2-1B 1.24B), computed from the dimensions.
+_LLAMA32 = dict(model_type="llama", vocab_size=128256, tie_word_embeddings=True,
+                num_key_value_heads=8, intermediate_size=8192, rope_theta=500000.0,
+                rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                              "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})
+HF = {
+    "qwen2.5-0.5b": (dict(model_type="qwen2", hidden_size=896, intermediate_size=4864,
+                          num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+                          vocab_size=151936, tie_word_embeddings=True), 494_032_768, 1, 4),
+    "qwen2.5-1.5b": (dict(model_type="qwen2", hidden_size=1536, intermediate_size=8960,
+                          num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
+                          vocab_size=151936, tie_word_embeddings=True), 1_543_714_304, 1, 4),
     "qwen2.5-7b": (dict(model_type="qwen2", hidden_size=3584, intermediate_size=18944,
                         num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
-                        vocab_size=152064, tie_word_embeddings=False), 7_615_616_512, 8),
+                        vocab_size=152064, tie_word_embeddings=False), 7_615_616_512, 8, 1),
+    "qwen3-1.7b": (dict(model_type="qwen3", hidden_size=2048, intermediate_size=6144,
+                        num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
+                        head_dim=128, vocab_size=151936, tie_word_embeddings=True),
+                   1_720_574_976, 1, 4),
     "qwen3-8b": (dict(model_type="qwen3", hidden_size=4096, intermediate_size=12288,
                       num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
                       head_dim=128, vocab_size=151936, tie_word_embeddings=False),
-                 8_190_735_360, 8),
-    "qwen2.5-1.5b": (dict(model_type="qwen2", hidden_size=1536, intermediate_size=8960,
-                          num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
-                          vocab_size=151936, tie_word_embeddings=True), 1_543_714_304, 1),
+                 8_190_735_360, 8, 1),
+    "llama3.2-1b": (dict(_LLAMA32, hidden_size=2048, num_hidden_layers=16,
+                         num_attention_heads=32), 1_235_814_400, 1, 4),
+    "llama3.2-3b": (dict(_LLAMA32, hidden_size=3072, num_hidden_layers=28,
+                         num_attention_heads=24), 3_212_749_824, 1, 2),
 }
 
 
-@pytest.mark.parametrize("variant", sorted(QWEN))
-def test_qwen_configs_plan(variant, tmp_path):
+@pytest.mark.parametrize("variant", sorted(HF))
+def test_hf_configs_plan(variant, tmp_path):
   import json
   import shutil
-  from configs import qwen
+  from configs import hf
   from jaxagent.models.builtin import BUILTIN_DIRS
-  dims, num_params, devices = QWEN[variant]
+  dims, num_params, devices, episodes_per_device = HF[variant]
   (tmp_path / "config.json").write_text(json.dumps(dict(
-      dims, architectures=["X"], max_position_embeddings=32768, rope_theta=1e6,
-      rms_norm_eps=1e-6, hidden_act="silu", torch_dtype="bfloat16", eos_token_id=151645)))
+      dict(max_position_embeddings=32768, rope_theta=1e6), architectures=["X"],
+      rms_norm_eps=1e-6, hidden_act="silu", torch_dtype="bfloat16", eos_token_id=151645,
+      **dims)))
   for f in ("tokenizer.json", "tokenizer_config.json"):
     shutil.copy(BUILTIN_DIRS["micro"] / f, tmp_path / f)
-  assert set(qwen.VARIANTS) == set(QWEN)
-  config = qwen.get_config(variant)
+  assert set(hf.VARIANTS) == set(HF)
+  config = hf.get_config(variant)
   with pytest.raises(ValueError, match="--config.model.path="):
     memory.plan_for_config(config, devices)      # the path must be given
   config.model.path = str(tmp_path)
@@ -346,20 +365,20 @@ def test_qwen_configs_plan(variant, tmp_path):
   assert p.model.num_params() == num_params
   assert p.model.param_dtype == p.model.dtype == "bfloat16"
   assert p.mesh_shape == {"data": 1, "fsdp": devices, "tensor": 1}
-  # ZeRO-3 shards of every matrix and hidden-size norm (3584, 4096, 1536 divide 8); the q/k/v
-  # biases (Qwen2) and q/k norms (Qwen3) have no hidden axis and stay replicated.
+  # ZeRO-3 shards of every matrix and hidden-size norm (3584, 4096 divide 8); the q/k/v biases
+  # (Qwen2) and q/k norms (Qwen3) have no hidden axis and stay replicated.
   m = p.model
   replicated = 2 * m.num_layers * ((m.num_heads + 2 * m.num_kv_heads) * m.head_dim * m.qkv_bias
                                    + 2 * m.head_dim * m.qk_norm)
   assert replicated > 0 or devices == 1
   assert p.params * devices == 2 * num_params + (devices - 1) * replicated
   assert p.optimizer_state == 2 * p.params + 16       # + 4 replicated int32/float32 scalars
-  # The sizing the config's docstring claims: fits 80 GiB per device, one or four episodes per
+  # The sizing the config's docstring claims: fits 80 GiB per device with this many episodes per
   # device per optimizer step.
   assert p.fits(80 * memory.GIB), p.table()
-  assert p.global_batch // p.minibatches // devices == (1 if devices == 8 else 4)
+  assert p.global_batch // p.minibatches // devices == episodes_per_device
   with pytest.raises(ValueError, match="unknown variant"):
-    qwen.get_config("qwen-70b")
+    hf.get_config("qwen-70b")
 
 
 def _run(args, **env):
