@@ -44,6 +44,11 @@ Piece = TokenBuffer
 # UTF-8, so such a token always makes an action unparseable.
 INVALID_BYTE = 0xFF
 
+# The date templates that print one (Llama 3.x: "Today Date: ...", else today's date through
+# `strftime_now`) are given, so that prompts, their token counts and a resumed run's transcripts do
+# not change with the day the codec is built. Templates without the variable ignore it.
+TEMPLATE_DATE = "26 Jul 2024"
+
 # Placeholders rendered through the chat template and split on (no template touches them).
 _PH = {r: f"@@JAXAGENT_{r.upper()}_PLACEHOLDER@@" for r in ("system", "user", "assistant", "obs")}
 
@@ -411,7 +416,8 @@ class TextCodec:
   def _render(self, messages, add_generation_prompt: bool) -> str | None:
     try:
       return self.tokenizer.apply_chat_template(
-          messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+          messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+          date_string=TEMPLATE_DATE)
     except Exception:  # templates raise on roles they do not know; we then try another layout
       return None
 

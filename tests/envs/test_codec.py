@@ -186,3 +186,44 @@ def test_chat_wrapping_follows_other_templates(builtin_tokenizer, template):
   full = tok.apply_chat_template(msgs + [{"role": "assistant", "content": "ACT"}] + tail,
                                  tokenize=False, add_generation_prompt=True)
   assert full == first + "ACT" + eot + later
+
+
+# Llama 3.x style: a system block that always prints a date, today's unless `date_string` is
+# given, and tool results in an "ipython" turn (written for this test, not the real template).
+DATED_STYLE = (
+    "{{- bos_token }}{%- if date_string is not defined %}"
+    "{%- set date_string = strftime_now('%d %b %Y') %}{%- endif %}"
+    "{%- if messages[0]['role'] == 'system' %}{%- set sys = messages[0]['content'] %}"
+    "{%- set rest = messages[1:] %}{%- else %}{%- set sys = '' %}{%- set rest = messages %}"
+    "{%- endif %}"
+    "{{- '<|start_header_id|>system<|end_header_id|>\\n\\nToday Date: ' + date_string + '\\n\\n'"
+    " + sys + '<|eot_id|>' }}"
+    "{%- for m in rest %}{%- set role = 'ipython' if m['role'] == 'tool' else m['role'] %}"
+    "{{- '<|start_header_id|>' + role + '<|end_header_id|>\\n\\n' + m['content'] + '<|eot_id|>' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}"
+    "{%- endif %}")
+
+
+def test_dated_templates_get_a_fixed_date(large_tokenizer):
+  """A template printing today's date would make prompts (and their lengths) change from day to
+  day, so a run resumed the next day would not continue as if never stopped."""
+  import copy
+  import datetime
+  from jaxagent.envs.codec import TEMPLATE_DATE, TextCodec
+  tok = copy.deepcopy(large_tokenizer)
+  tok.chat_template = DATED_STYLE
+  msgs = [{"role": "system", "content": "SYS"}, {"role": "user", "content": "USR"}]
+  today = datetime.date.today().strftime("%d %b %Y")
+  assert f"Today Date: {today}" in tok.apply_chat_template(msgs, tokenize=False)
+  codec = TextCodec.from_tokenizer(tok)
+  first = codec.decode(concat(codec.prompt([codec.fragment("SYS")], [codec.fragment("USR")])))
+  later = codec.decode(concat(codec.observation([codec.fragment("OBS")])))
+  assert codec.has_system_role and codec.tool_role == "tool"
+  assert codec.decode([codec.end_of_turn_id]) == "<|eot_id|>"
+  assert first == ("<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\n"
+                   f"Today Date: {TEMPLATE_DATE}\n\nSYS<|eot_id|><|start_header_id|>user"
+                   "<|end_header_id|>\n\nUSR<|eot_id|><|start_header_id|>assistant"
+                   "<|end_header_id|>\n\n")
+  assert later == ("<|start_header_id|>ipython<|end_header_id|>\n\nOBS<|eot_id|>"
+                   "<|start_header_id|>assistant<|end_header_id|>\n\n")
