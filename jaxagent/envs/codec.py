@@ -44,10 +44,13 @@ Piece = TokenBuffer
 # UTF-8, so such a token always makes an action unparseable.
 INVALID_BYTE = 0xFF
 
-# The date templates that print one (Llama 3.x: "Today Date: ...", else today's date through
-# `strftime_now`) are given, so that prompts, their token counts and a resumed run's transcripts do
-# not change with the day the codec is built. Templates without the variable ignore it.
-TEMPLATE_DATE = "26 Jul 2024"
+# Variables given to every chat template (templates without them ignore them):
+# - date_string: the date templates that print one (Llama 3.x: "Today Date: ...", else today's
+#   date through `strftime_now`) show, so that prompts, their token counts and a resumed run's
+#   transcripts do not change with the day the codec is built;
+# - enable_thinking: False puts Qwen3's empty think block in the assistant header, so actions are
+#   tool calls (a reasoning preamble would not fit the action budget of a few dozen tokens).
+TEMPLATE_KWARGS = {"date_string": "26 Jul 2024", "enable_thinking": False}
 
 # Placeholders rendered through the chat template and split on (no template touches them).
 _PH = {r: f"@@JAXAGENT_{r.upper()}_PLACEHOLDER@@" for r in ("system", "user", "assistant", "obs")}
@@ -417,7 +420,7 @@ class TextCodec:
     try:
       return self.tokenizer.apply_chat_template(
           messages, tokenize=False, add_generation_prompt=add_generation_prompt,
-          date_string=TEMPLATE_DATE)
+          **TEMPLATE_KWARGS)
     except Exception:  # templates raise on roles they do not know; we then try another layout
       return None
 

@@ -210,7 +210,7 @@ def test_dated_templates_get_a_fixed_date(large_tokenizer):
   day, so a run resumed the next day would not continue as if never stopped."""
   import copy
   import datetime
-  from jaxagent.envs.codec import TEMPLATE_DATE, TextCodec
+  from jaxagent.envs.codec import TEMPLATE_KWARGS, TextCodec
   tok = copy.deepcopy(large_tokenizer)
   tok.chat_template = DATED_STYLE
   msgs = [{"role": "system", "content": "SYS"}, {"role": "user", "content": "USR"}]
@@ -222,8 +222,34 @@ def test_dated_templates_get_a_fixed_date(large_tokenizer):
   assert codec.has_system_role and codec.tool_role == "tool"
   assert codec.decode([codec.end_of_turn_id]) == "<|eot_id|>"
   assert first == ("<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\n"
-                   f"Today Date: {TEMPLATE_DATE}\n\nSYS<|eot_id|><|start_header_id|>user"
+                   f"Today Date: {TEMPLATE_KWARGS['date_string']}\n\nSYS<|eot_id|><|start_header_id|>user"
                    "<|end_header_id|>\n\nUSR<|eot_id|><|start_header_id|>assistant"
                    "<|end_header_id|>\n\n")
   assert later == ("<|start_header_id|>ipython<|end_header_id|>\n\nOBS<|eot_id|>"
                    "<|start_header_id|>assistant<|end_header_id|>\n\n")
+
+
+# Qwen3 style: the generation prompt holds an empty think block when thinking is off (written for
+# this test, not the real template).
+THINKING_STYLE = (
+    "{%- for m in messages %}"
+    "{%- if m['role'] == 'tool' %}{{- '<|im_start|>user\\n<tool_response>\\n' + m['content'] +"
+    " '\\n</tool_response><|im_end|>\\n' }}"
+    "{%- else %}{{- '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"
+    "{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}"
+    "{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}{%- endif %}")
+
+
+def test_thinking_templates_get_the_empty_think_block(builtin_tokenizer):
+  import copy
+  from jaxagent.envs.codec import TextCodec
+  tok = copy.deepcopy(builtin_tokenizer)
+  tok.chat_template = THINKING_STYLE
+  codec = TextCodec.from_tokenizer(tok)
+  first = codec.decode(concat(codec.prompt([codec.fragment("SYS")], [codec.fragment("USR")])))
+  later = codec.decode(concat(codec.observation([codec.fragment("OBS")])))
+  assert first.endswith("USR<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n")
+  assert later == ("\n<|im_start|>user\n<tool_response>\nOBS\n</tool_response><|im_end|>\n"
+                   "<|im_start|>assistant\n<think>\n\n</think>\n\n")
