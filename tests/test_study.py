@@ -2,7 +2,6 @@
 with sane values, and a finished study is not redone."""
 
 import json
-import pathlib
 
 import numpy as np
 import pytest

@@ -36,8 +36,6 @@ direction, move without exactly one argument, look with arguments), tool_failure
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -45,7 +43,7 @@ from flax import struct
 
 from jaxagent.envs import common
 from jaxagent.envs.base import ErrorKind, StepInfo, TokenBuffer
-from jaxagent.envs.codec import TextCodec, byte_table, concat, mask_piece
+from jaxagent.envs.codec import TextCodec, byte_table, concat
 from jaxagent.envs.messages import MessageTable, concat_rows
 
 UNREACHABLE = 1 << 20

@@ -288,8 +288,6 @@ class WorkshopEnv:
     self._row_n1 = np.asarray([r[2] for r in sem], np.int32)
     self._arity_tool = np.asarray([a[1] for a in arity], np.int32)
     self._arity_n0 = np.asarray([a[2] for a in arity], np.int32)
-    spec = jax.eval_shape(self.sample_task, jax.random.PRNGKey(0))
-    state_spec = jax.eval_shape(lambda t: self._initial_state(t, jnp.int32(-1)), spec)
     # Tight bounds on what the prompt and a step can print (the line tables pad every gap to its
     # longest text, so summing buffer sizes would overcount several-fold).
     name_cap = self._name_words.tokens.shape[1]

@@ -21,8 +21,6 @@ cache; `python -m launch.benchmark` measures decode against the memory-bandwidth
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 from flax import nnx, struct

@@ -20,7 +20,6 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxagent.models import decoder
 from jaxagent.models.config import CheckpointError, ModelConfig

@@ -126,6 +126,54 @@ class EnvKit:
                        length=jnp.int32(len(ids)))
 
   @staticmethod
+  def arbitrary_step(fix, data, budgets, extra_ids=()):
+    """Draws any token ids (out of range, end-of-turn and padding ids included) and any length,
+    steps a freshly reset env (`fix`: env, codec, jitted reset and step) with them and asserts what
+    every env guarantees for any input. Returns (state before, state after, obs, info)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from hypothesis import strategies as st
+    from jaxagent.envs.base import ErrorKind, TokenBuffer
+    n = fix.env.max_action_len
+    ids = st.integers(-3, fix.codec.vocab_size + 3)
+    if extra_ids:
+      ids = ids | st.sampled_from(list(extra_ids))
+    drawn = data.draw(st.lists(ids, max_size=n))
+    tokens = np.zeros(n, np.int32)
+    tokens[:len(drawn)] = drawn
+    length = data.draw(st.integers(0, n))
+    state, _ = fix.reset(jax.random.key(data.draw(st.integers(0, 3))), None,
+                         data.draw(st.sampled_from(budgets)))
+    new, obs, info = fix.step(state, TokenBuffer(tokens=jnp.asarray(tokens), length=jnp.int32(length)))
+    assert float(info.reward) in (0.0, 1.0) and 0 <= int(info.error_kind) < len(ErrorKind)
+    assert 0 < int(obs.length) <= fix.env.max_step_obs_len < fix.env.max_obs_len
+    assert int(new.turn) == 1
+    return state, new, obs, info
+
+  @staticmethod
+  def assert_splits_act_alike(fix, state, text):
+    """Stepping `text` as the tokenizer splits it and as one token per byte gives the same
+    state, info and observation (up to its length)."""
+    import jax
+    import numpy as np
+    n = fix.env.max_action_len
+    a, b = EnvKit.action(fix.codec, text, n), EnvKit.action(fix.codec, text, n, split="chars")
+    (s1, o1, i1), (s2, o2, i2) = fix.step(state, a), fix.step(state, b)
+    jax.tree.map(np.testing.assert_array_equal, (s1, i1), (s2, i2))
+    m = int(o1.length)
+    assert int(o2.length) == m
+    np.testing.assert_array_equal(np.asarray(o1.tokens)[:m], np.asarray(o2.tokens)[:m])
+
+  @staticmethod
+  def jitted(env):
+    """The env with its reset, step and oracle jitted, as the tests' env fixtures hold it."""
+    import types
+    import jax
+    return types.SimpleNamespace(env=env, codec=env.codec, reset=jax.jit(env.reset),
+                                 step=jax.jit(env.step), oracle=jax.jit(env.oracle_action))
+
+  @staticmethod
   def byte_token(codec, b):
     """The id of a single-byte token for byte b."""
     cache = codec.__dict__.setdefault("_test_byte_tokens", {})

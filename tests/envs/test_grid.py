@@ -1,7 +1,6 @@
 """Tests of the `grid` environment (envs/grid.py)."""
 
 import collections
-import types
 
 import jax
 import jax.numpy as jnp
@@ -45,10 +44,9 @@ HAND_USER = ("Map, 4 rows by 4 columns; row 0 is the top, column 0 the left:\n"
 
 
 @pytest.fixture(scope="module")
-def gr(any_tokenizer):
+def gr(any_tokenizer, kit):
   env = envs.make("grid", any_tokenizer, size=4, num_traps=1)
-  return types.SimpleNamespace(env=env, codec=env.codec, reset=jax.jit(env.reset),
-                               step=jax.jit(env.step), oracle=jax.jit(env.oracle_action))
+  return kit.jitted(env)
 
 
 def _bfs(walls, traps, goal):
@@ -209,20 +207,9 @@ def test_budget_spent_ends_the_episode(gr, kit):
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
-def test_arbitrary_tokens_never_break_the_env(gr, data):
-  n = gr.env.max_action_len
-  v = gr.codec.vocab_size
-  ids = data.draw(st.lists(st.integers(-3, v + 3) | st.sampled_from([gr.codec.end_of_turn_id, 0, 1]),
-                           max_size=n))
-  tokens = np.zeros(n, np.int32)
-  tokens[:len(ids)] = ids
-  length = data.draw(st.integers(0, n))
-  state, _ = gr.reset(jax.random.key(data.draw(st.integers(0, 3))), None,
-                      data.draw(st.sampled_from([-1, 0, 3])))
-  new, obs, info = gr.step(state, envs.TokenBuffer(tokens=jnp.asarray(tokens),
-                                                   length=jnp.int32(length)))
-  assert float(info.reward) in (0.0, 1.0) and 0 <= int(info.error_kind) < len(ErrorKind)
-  assert 0 < int(obs.length) <= gr.env.max_step_obs_len < gr.env.max_obs_len
+def test_arbitrary_tokens_never_break_the_env(gr, kit, data):
+  state, new, _, info = kit.arbitrary_step(gr, data, budgets=[-1, 0, 3],
+                                           extra_ids=[gr.codec.end_of_turn_id, 0, 1])
   r, c = new.pos.tolist()
   assert 0 <= r < 4 and 0 <= c < 4 and not bool(new.task.walls[r, c])
   if not bool(info.valid_call):
@@ -237,11 +224,7 @@ _words = st.sampled_from(("move", "look", "mvoe", "up", "down", "left", "right",
 def test_the_same_text_tokenised_differently_acts_identically(gr, kit, tool, args, pad):
   text = f"{pad}{tool}({pad}{(',' + pad).join(args)})"
   state, _ = gr.reset(jax.random.key(0), hand_task(), 5)
-  n = gr.env.max_action_len
-  a, b = kit.action(gr.codec, text, n), kit.action(gr.codec, text, n, split="chars")
-  (s1, o1, i1), (s2, o2, i2) = gr.step(state, a), gr.step(state, b)
-  for x, y in ((s1, s2), (o1, o2), (i1, i2)):
-    jax.tree.map(np.testing.assert_array_equal, x, y)
+  kit.assert_splits_act_alike(gr, state, text)
 
 
 def test_hint_follows_every_observation(builtin_tokenizer, kit):

@@ -1,6 +1,5 @@
 """Tests of the `lookup` environment (envs/lookup.py)."""
 
-import types
 
 import jax
 import jax.numpy as jnp
@@ -23,11 +22,10 @@ ACTION_LEN = 48
 
 
 @pytest.fixture(scope="module")
-def lk(any_tokenizer):
+def lk(any_tokenizer, kit):
   env = envs.make("lookup", any_tokenizer, hops=2, distractor_entities=2, num_relations=3,
                   max_action_len=ACTION_LEN)
-  return types.SimpleNamespace(env=env, codec=env.codec, reset=jax.jit(env.reset),
-                               step=jax.jit(env.step), oracle=jax.jit(env.oracle_action))
+  return kit.jitted(env)
 
 
 def hand_task():
@@ -103,7 +101,7 @@ def test_observations_and_error_kinds_exact(lk, kit):
 
 
 def test_correct_answer_and_hidden_budget(lk, kit):
-  env, codec = lk.env, lk.codec
+  codec = lk.codec
   state, obs = lk.reset(jax.random.key(0), hand_task(), -1)
   assert "You have" not in codec.decode(obs)
   assert codec.decode(lk.oracle(state)) == "lookup(Alba, owner)"
@@ -128,21 +126,10 @@ def test_budget_spent_ends_the_episode(lk, kit):
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
-def test_arbitrary_tokens_never_break_the_env(lk, data):
-  env = lk.env
-  v = lk.codec.vocab_size
-  ids = data.draw(st.lists(st.integers(-3, v + 3) | st.sampled_from([lk.codec.end_of_turn_id, 0, 1, 2]),
-                           max_size=ACTION_LEN))
-  length = data.draw(st.integers(0, ACTION_LEN))
-  tokens = np.zeros(ACTION_LEN, np.int32)
-  tokens[:len(ids)] = ids
-  state, _ = lk.reset(jax.random.key(data.draw(st.integers(0, 3))), None, data.draw(st.sampled_from([-1, 0, 3])))
-  action = envs.TokenBuffer(tokens=jnp.asarray(tokens), length=jnp.int32(length))
-  new, obs, info = lk.step(state, action)
-  assert np.isfinite(float(info.reward)) and float(info.reward) in (0.0, 1.0)
-  assert 0 <= int(info.error_kind) < len(ErrorKind)
-  assert 0 < int(obs.length) <= env.max_obs_len
-  assert int(new.turn) == 1 and int(new.progress) in (0, 1)
+def test_arbitrary_tokens_never_break_the_env(lk, kit, data):
+  _, new, _, info = kit.arbitrary_step(lk, data, budgets=[-1, 0, 3],
+                                       extra_ids=[lk.codec.end_of_turn_id, 0, 1, 2])
+  assert int(new.progress) in (0, 1)
   if not bool(info.valid_call):
     assert int(new.progress) == 0 and int(info.error_kind) != K.NONE
 
@@ -160,13 +147,7 @@ _texts = (_calls | st.text(alphabet="lookupanswer(),' Alba1234", max_size=ACTION
 @given(text=_texts)
 def test_tokenisation_does_not_change_parsing(lk, kit, text):
   state, _ = lk.reset(jax.random.key(0), hand_task(), 5)
-  outs = [lk.step(state, kit.action(lk.codec, text, ACTION_LEN, split))
-          for split in ("tokenizer", "chars")]
-  (s1, o1, i1), (s2, o2, i2) = outs
-  jax.tree.map(np.testing.assert_array_equal, (s1, i1), (s2, i2))
-  n = int(o1.length)
-  assert int(o2.length) == n
-  np.testing.assert_array_equal(np.asarray(o1.tokens)[:n], np.asarray(o2.tokens)[:n])
+  kit.assert_splits_act_alike(lk, state, text)
 
 
 def test_bad_token_sequences_are_parse_errors(lk, kit):

@@ -1,6 +1,5 @@
 """Tests of the `workshop` environment (envs/workshop.py)."""
 
-import types
 
 import jax
 import jax.numpy as jnp
@@ -48,11 +47,10 @@ def hand_task():
 
 
 @pytest.fixture(scope="module")
-def ws(any_tokenizer):
+def ws(any_tokenizer, kit):
   env = envs.make("workshop", any_tokenizer, depth=2, num_containers=4, num_items=1,
                   max_action_len=48)
-  return types.SimpleNamespace(env=env, codec=env.codec, reset=jax.jit(env.reset),
-                               step=jax.jit(env.step), oracle=jax.jit(env.oracle_action))
+  return kit.jitted(env)
 
 
 @pytest.mark.parametrize("tokenizer,knobs", [
@@ -202,20 +200,9 @@ def test_oracle_plan_and_replanning_after_a_detour(ws, kit):
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
-def test_arbitrary_tokens_never_break_the_env(ws, data):
-  n = ws.env.max_action_len
-  v = ws.codec.vocab_size
-  ids = data.draw(st.lists(st.integers(-3, v + 3) | st.sampled_from([ws.codec.end_of_turn_id, 0, 1]),
-                           max_size=n))
-  tokens = np.zeros(n, np.int32)
-  tokens[:len(ids)] = ids
-  length = data.draw(st.integers(0, n))
-  state, _ = ws.reset(jax.random.key(data.draw(st.integers(0, 3))), None,
-                      data.draw(st.sampled_from([-1, 0, 3])))
-  new, obs, info = ws.step(state, envs.TokenBuffer(tokens=jnp.asarray(tokens),
-                                                   length=jnp.int32(length)))
-  assert float(info.reward) in (0.0, 1.0) and 0 <= int(info.error_kind) < len(ErrorKind)
-  assert 0 < int(obs.length) <= ws.env.max_step_obs_len < ws.env.max_obs_len
+def test_arbitrary_tokens_never_break_the_env(ws, kit, data):
+  state, new, _, info = kit.arbitrary_step(ws, data, budgets=[-1, 0, 3],
+                                           extra_ids=[ws.codec.end_of_turn_id, 0, 1])
   if not bool(info.valid_call):
     for field in ("loc", "locked", "opened"):
       np.testing.assert_array_equal(getattr(new, field), getattr(state, field))
@@ -230,8 +217,4 @@ _words = st.sampled_from(("open", "take", "unlock", "put", "opne", "chest", "cra
 def test_the_same_text_tokenised_differently_acts_identically(ws, kit, tool, args, pad):
   text = f"{tool}({pad}{(',' + pad).join(args)})"
   state, _ = ws.reset(jax.random.key(0), hand_task(), 5)
-  n = ws.env.max_action_len
-  a, b = kit.action(ws.codec, text, n), kit.action(ws.codec, text, n, split="chars")
-  (s1, o1, i1), (s2, o2, i2) = ws.step(state, a), ws.step(state, b)
-  for x, y in ((s1, s2), (o1, o2), (i1, i2)):
-    jax.tree.map(np.testing.assert_array_equal, x, y)
+  kit.assert_splits_act_alike(ws, state, text)
