@@ -216,6 +216,7 @@ class EnvKit:
       action = oracle(state)
       assert np.all(np.asarray(action.length) < env.max_action_len)
       state, obs, info = step(state, action)
+      assert np.all(np.asarray(obs.length) <= env.max_step_obs_len)
       infos.append(jax.tree.map(np.asarray, info))
     assert len(traces) == 1, f"jit(vmap(step)) traced {len(traces)} times"
     return infos, state

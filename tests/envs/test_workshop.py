@@ -56,33 +56,18 @@ def ws(any_tokenizer, kit):
 @pytest.mark.parametrize("tokenizer,knobs", [
     ("builtin", dict(depth=3, num_containers=6, num_items=3)),
     ("large", dict(depth=0, num_containers=3, num_items=2))])
-def test_oracle_solves_every_task_in_optimal_turns(request, tokenizer, knobs):
+def test_oracle_solves_every_task_in_optimal_turns(request, kit, tokenizer, knobs):
   env = envs.make("workshop", request.getfixturevalue(f"{tokenizer}_tokenizer"), **knobs)
   b = 256
-  traces = []
-
-  def counted_step(state, action):
-    traces.append(1)
-    return env.step(state, action)
-
-  reset, step = jax.jit(jax.vmap(env.reset)), jax.jit(jax.vmap(counted_step))
-  oracle = jax.jit(jax.vmap(env.oracle_action))
   opt = max(3 * knobs["depth"] + 3, 4)
   budget = np.where(np.arange(b) % 2 == 0, -1, opt).astype(np.int32)   # hidden / exactly enough
-  state, obs = reset(jax.random.split(jax.random.key(0), b), None, jnp.asarray(budget))
-  assert np.all(np.asarray(state.optimal_turns) == opt)
-  assert np.all(np.asarray(obs.length) <= env.max_obs_len)
-  for t in range(opt):
-    action = oracle(state)
-    assert np.all(np.asarray(action.length) < env.max_action_len)
-    state, obs, info = step(state, action)
-    info = jax.tree.map(np.asarray, info)
-    assert np.all(np.asarray(obs.length) <= env.max_step_obs_len)
+  infos, state = kit.run_oracle(env, batch=b, budget=budget)
+  assert len(infos) == opt
+  for t, info in enumerate(infos):
     assert np.all(info.error_kind == K.NONE) and np.all(info.valid_call)
     assert np.all(info.oracle_match) and np.all(info.optimal_turns == opt)
     assert np.all(info.solved == (t == opt - 1)) and np.all(info.done == (t == opt - 1))
-  assert np.all(np.asarray(state.solved))
-  assert len(traces) == 1, "jit(vmap(step)) must compile once for all turns and budgets"
+  assert np.all(np.asarray(state.solved)) and np.all(np.asarray(state.optimal_turns) == opt)
 
 
 @pytest.mark.parametrize("depth", [0, 1, 4])
