@@ -1,6 +1,5 @@
 """Tests of the `arithmetic` environment (envs/arithmetic.py)."""
 
-
 import jax
 import jax.numpy as jnp
 import numpy as np

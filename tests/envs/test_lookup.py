@@ -1,6 +1,5 @@
 """Tests of the `lookup` environment (envs/lookup.py)."""
 
-
 import jax
 import jax.numpy as jnp
 import numpy as np

@@ -1,6 +1,5 @@
 """Tests of the `workshop` environment (envs/workshop.py)."""
 
-
 import jax
 import jax.numpy as jnp
 import numpy as np
