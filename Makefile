@@ -1,13 +1,14 @@
 # The two commands of the README:
 #   make run    set up .venv and run the main job (the study) on the built-in default
 #   make test   set up .venv (with test tools) and run the whole test suite
+#   (make test-fast: the suite without the slow end-to-end tests, for development)
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 VARIANT ?= default
 WORKDIR ?= workdirs/$(VARIANT)
 
-.PHONY: run test clean
+.PHONY: run test test-fast clean
 
 $(VENV)/.base: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -29,6 +30,10 @@ run: $(VENV)/.base
 
 test: $(VENV)/.test
 	$(BIN)/python -m pytest -n 2 -q -p no:cacheprovider tests
+
+# For development: the suite without the tests marked slow (CI and `make test` run everything).
+test-fast: $(VENV)/.test
+	$(BIN)/python -m pytest -n 2 -q -p no:cacheprovider -m "not slow" tests
 
 clean:
 	rm -rf $(VENV) *.egg-info

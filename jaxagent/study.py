@@ -1,4 +1,4 @@
-"""The study of STUDY.md, end to end: datasets -> SFT base -> fixed-T RL at a tight and at a
+"""The study of docs/STUDY.md, end to end: datasets -> SFT base -> fixed-T RL at a tight and at a
 generous budget -> BudgetMix RL -> evaluation of all four on the same fixed test tasks ->
 the comparison report (markdown, JSON, PNG plots).
 
@@ -20,8 +20,12 @@ import time
 
 from absl import logging
 
-from jaxagent.eval import job as eval_job
-from jaxagent.learners import trainer
+from jaxagent import train
+from jaxagent.eval import checkpoints, compare
+from jaxagent.eval.evaluator import Evaluator
+from jaxagent.runs import config as sections
+from jaxagent.runs import layout, setup
+from jaxagent.runs.programs import Programs
 
 BASE = "base"
 
@@ -54,8 +58,8 @@ def run_configs(config, workdir) -> dict[str, tuple[object, pathlib.Path]]:
 
 def _evaluated(run_dir: pathlib.Path) -> bool:
   """The run's latest checkpoint has a finished evaluation."""
-  phase, step = eval_job.resolve_checkpoint(run_dir)
-  return (run_dir / "eval" / eval_job.eval_dir_name(phase, step) / "report.json").exists()
+  phase, step = layout.resolve_checkpoint(run_dir)
+  return (run_dir / "eval" / layout.eval_dir_name(phase, step) / "report.json").exists()
 
 
 def run(config, workdir) -> dict:
@@ -64,29 +68,33 @@ def run(config, workdir) -> dict:
   workdir.mkdir(parents=True, exist_ok=True)
   runs = run_configs(config, workdir)
   for c, _ in runs.values():
-    trainer.validate(c)
+    sections.validate(c)
   (workdir / "study_config.json").write_text(config.to_json_best_effort(indent=2))
   timings = {}
+  # One set of compiled functions for every run: they share the model config and environment.
+  base_config = runs[BASE][0]
+  model_config, tokenizer = setup.load_skeleton(base_config)
+  programs = Programs(model_config, setup.make_env(base_config, tokenizer),
+                      env_spec=setup.env_spec(base_config))
   for label, (c, run_dir) in runs.items():
     t0 = time.perf_counter()
     if (run_dir / "DONE").exists():
       logging.info("study: %s already trained", label)
     else:
       logging.info("study: training %s", label)
-      trainer.run(c, run_dir)
+      train.run(c, run_dir, programs=programs)
     timings[f"train_{label}"] = time.perf_counter() - t0
   evaluator = None   # one for all runs: compiled programs and the base's rollouts are shared
   for label, (c, run_dir) in runs.items():
     t0 = time.perf_counter()
     if not _evaluated(run_dir):
       logging.info("study: evaluating %s", label)
-      evaluator = evaluator or eval_job.Evaluator(runs[BASE][0], runs[BASE][1])
-      eval_job.evaluate_checkpoint(c, run_dir, evaluator=evaluator)
+      evaluator = evaluator or Evaluator(base_config, runs[BASE][1], programs=programs)
+      checkpoints.evaluate_checkpoint(c, run_dir, evaluator=evaluator)
     timings[f"eval_{label}"] = time.perf_counter() - t0
   t0 = time.perf_counter()
-  eval_config = runs[BASE][0]
-  summary = eval_job.compare({label: str(d) for label, (_, d) in runs.items()},
-                             workdir / "report", eval_config, base=BASE)
+  summary = compare.compare({label: str(d) for label, (_, d) in runs.items()},
+                            workdir / "report", base_config, base=BASE, programs=programs)
   timings["compare"] = time.perf_counter() - t0
   (workdir / "study_timing.json").write_text(json.dumps(timings, indent=2) + "\n")
   return summary

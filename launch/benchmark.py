@@ -22,13 +22,15 @@ Same process, same model, same tasks, same budgets for every method:
   * scaling: jitted-rollout episodes/s as the batch, the turns per episode and the tokens per
             turn (context length) grow; a table and scaling.png.
 Compilation is excluded (each program runs once first); times are the median of --repeats runs.
-Writes benchmark.json and benchmark.md (the tables) to --out.
+Writes benchmark.json and benchmark.md (the tables) to --out. The accounting (model FLOPs, the
+bandwidth bound, MFU) is `jaxagent.planning.flops`'s; this script measures.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import pathlib
 import platform
 import statistics
@@ -38,6 +40,20 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from absl import app, flags, logging
+
+import jaxagent.envs as envs
+from configs.default import get_config
+from jaxagent.envs.base import TokenBuffer
+from jaxagent.envs.host import HostLookupEnv
+from jaxagent.eval.plots import _save, plt
+from jaxagent.learners.update import LearnerConfig, init_train_state, make_update_fn
+from jaxagent.models import from_pretrained, sampler
+from jaxagent.models.policy import Policy, init_sharded
+from jaxagent.planning.flops import (bandwidth_bound, decode_bound_bytes, matmul_flops,
+                                     param_counts, tree_bytes, update_flops, utilisation)
+from jaxagent.rollout import rollout
+from jaxagent.rollout.api import build_batch
+from jaxagent.rollout.trajectory import trim
 
 _MODEL = flags.DEFINE_string("model", "builtin:micro", "builtin:NAME or a local HF directory.")
 _ENV = flags.DEFINE_string("env", "lookup", "Environment (the host path exists for lookup).")
@@ -87,7 +103,7 @@ def peak_matmul_flops(n: int = 2048, repeats: int = 5) -> float:
   f = jax.jit(lambda a, b: a @ b)
   f(a, b).block_until_ready()
   best = min(_once(lambda: f(a, b).block_until_ready()) for _ in range(repeats))
-  return 2.0 * n ** 3 / best
+  return matmul_flops(n, n, n) / best
 
 
 def read_bandwidth(mib: int = 512, repeats: int = 5) -> float:
@@ -101,7 +117,6 @@ def read_bandwidth(mib: int = 512, repeats: int = 5) -> float:
 
 def cpu_name() -> str:
   """The CPU's model name and core count (from /proc/cpuinfo where there is one)."""
-  import os
   name = platform.processor() or platform.machine()
   try:
     for line in open("/proc/cpuinfo"):
@@ -120,45 +135,13 @@ def _once(fn) -> float:
 
 
 # ---------------------------------------------------------------------------------------------
-# Models and their costs.
+# Models (their costs: jaxagent.planning.flops).
 
 def random_policy(base, seed: int = 0, dtype: str = "float32", **sizes):
   """A policy with `base`'s tokenizer and vocabulary, other sizes replaced, random weights."""
-  from jaxagent.models.policy import Policy, init_sharded
   cfg = dataclasses.replace(base.config, dtype=dtype, param_dtype=dtype, **sizes)
   return Policy(config=cfg, params=init_sharded(cfg, seed), tokenizer=base.tokenizer,
                 path=f"random({sizes})")
-
-
-def param_counts(cfg, params) -> dict:
-  """Total parameters, and those in matmuls per token (the layers plus the LM head)."""
-  total = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
-  layers = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params["layers"])
-               if x.ndim >= 3)
-  return {"total": total, "matmul": layers + cfg.vocab_size * cfg.hidden_size}
-
-
-def forward_flops(cfg, counts: dict, lengths) -> float:
-  """Model FLOPs of one forward pass over sequences of these lengths (real tokens only): 2 per
-  matmul parameter per token, plus causal attention (QK and PV: 4 x heads x head_dim per
-  earlier position per layer)."""
-  lengths = np.asarray(lengths, np.float64)
-  tokens = lengths.sum()
-  pairs = (lengths * (lengths + 1) / 2).sum()
-  return 2.0 * counts["matmul"] * tokens + 4.0 * cfg.num_layers * cfg.num_heads * cfg.head_dim * pairs
-
-
-def kv_bytes_per_slot(cfg) -> int:
-  return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * jnp.dtype(cfg.jnp_dtype).itemsize
-
-
-def decode_bound_seconds(cfg, param_bytes: int, prompt_lens, new_tokens, bandwidth: float) -> float:
-  """Time to read, at `bandwidth`, the parameters once per decode step plus every live row's KV
-  cache (its prompt and the tokens decoded so far) once per step."""
-  prompt_lens = np.asarray(prompt_lens, np.float64)
-  n = np.asarray(new_tokens, np.float64)
-  kv_slots = (n * prompt_lens + n * (n - 1) / 2).sum()
-  return (param_bytes * n.max() + kv_slots * kv_bytes_per_slot(cfg)) / bandwidth
 
 
 # ---------------------------------------------------------------------------------------------
@@ -166,7 +149,6 @@ def decode_bound_seconds(cfg, param_bytes: int, prompt_lens, new_tokens, bandwid
 
 def naive_rollout(policy, host_env, tasks, budget: int, max_new: int, seed: int) -> int:
   """Python loop over turns; each turn re-encodes the full history of every episode."""
-  from jaxagent.envs.base import TokenBuffer
   state, obs = host_env.reset(tasks, -1)
   b = len(obs.length)
   history = [list(obs.tokens[i, :obs.length[i]]) for i in range(b)]
@@ -195,8 +177,6 @@ def naive_rollout(policy, host_env, tasks, budget: int, max_new: int, seed: int)
 
 
 def _rollout_fn(policy, env, tasks, group, turns, action_tokens=None):
-  from jaxagent.rollout import rollout
-
   def run():
     traj = rollout(policy, env, jax.random.key(1), tasks, group, turns, max_turns=turns,
                    max_action_tokens=action_tokens)
@@ -218,8 +198,6 @@ def decode_only(policy, env, tasks, group: int, traj, repeats: int) -> dict:
   first observation, then sampling with no stop token for exactly as many tokens as the row
   generated in the rollout. Reports its time, tokens/s and the bytes its bandwidth bound reads
   (`with_limits` turns them into seconds)."""
-  from jaxagent.rollout import sampler
-  from jaxagent.rollout.api import build_batch
   b = int(traj.batch_size)
   batch, _, _, _ = build_batch(env, jax.random.key(0), tasks, group)
   _, obs0 = jax.vmap(env.reset)(jax.random.split(jax.random.key(2), b), batch,
@@ -235,21 +213,19 @@ def decode_only(policy, env, tasks, group: int, traj, repeats: int) -> dict:
     return jax.block_until_ready(g.tokens)
 
   secs, _ = _timed(run, repeats)
-  param_bytes = sum(x.nbytes for x in jax.tree.leaves(policy.params))
-  bound_bytes = decode_bound_seconds(policy.config, param_bytes, np.asarray(obs0.length), n, 1.0)
+  bound_bytes = decode_bound_bytes(policy.config, tree_bytes(policy.params),
+                                   np.asarray(obs0.length), n)
   return {"seconds": secs, "tokens": int(n.sum()), "tokens_per_s": float(n.sum()) / secs,
           "bound_bytes": float(bound_bytes)}
 
 
 def update_step(policy, traj, repeats: int) -> dict:
   """The default config's RL update on `traj`: seconds, real tokens/s, model FLOP/s (
-  `with_limits` adds the utilisation)."""
-  from configs.default import get_config
-  from jaxagent.learners import trainer
-  from jaxagent.learners.update import init_train_state, make_update_fn
-  from jaxagent.rollout.trajectory import trim
+  `with_limits` adds the utilisation). Log-probs are recomputed at the rollout temperature, as
+  the trainer does."""
   config = get_config("default")
-  lcfg = trainer.learner_config(config)
+  lcfg = LearnerConfig.from_config({**config.rl.learner.to_dict(),
+                                    "temperature": float(config.rl.temperature)})
   if traj.batch_size % lcfg.minibatches:
     lcfg = dataclasses.replace(lcfg, minibatches=1)
   optimizer = lcfg.make_optimizer(total_steps=1000)
@@ -265,9 +241,8 @@ def update_step(policy, traj, repeats: int) -> dict:
   secs, _ = _timed(run, repeats)
   lengths = np.asarray(traj.length)
   counts = param_counts(policy.config, policy.params)
-  fwd = forward_flops(policy.config, counts, lengths)
-  passes = 3 * lcfg.epochs + (1 if ref is not None else 0)    # fwd + bwd per epoch, reference
-  flops = passes * fwd
+  flops = update_flops(policy.config, counts, lengths, epochs=lcfg.epochs,
+                       reference=ref is not None)
   return {"seconds": secs, "tokens": int(lengths.sum()), "padded_length": int(traj.tokens.shape[1]),
           "tokens_per_s": float(lengths.sum()) / secs, "model_flops": flops,
           "model_flops_per_s": flops / secs,
@@ -295,7 +270,6 @@ def scaling(policy, env, repeats: int, base_batch: int, base_turns: int) -> list
 
 
 def scaling_plot(rows: list[dict], path) -> str:
-  from jaxagent.eval.plots import plt, _save
   axes_spec = (("batch", "episodes", "episodes per batch"), ("turns", "turns", "turns per episode"),
                ("tokens per turn", "mean_length", "mean transcript length (tokens)"))
   fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
@@ -321,11 +295,9 @@ def with_limits(res: dict, peak: float, bandwidth: float) -> None:
   bound (reading its bytes at `bandwidth` bytes/s) and fraction of that bound."""
   for sec in (res, res.get("big") or {}):
     if sec:
-      sec["update"]["mfu"] = sec["update"]["model_flops_per_s"] / peak
+      sec["update"]["mfu"] = utilisation(sec["update"]["model_flops_per_s"], peak)
       d = sec["decode"]
-      d["bound_seconds"] = d["bound_bytes"] / bandwidth
-      d["bound_tokens_per_s"] = d["tokens"] / d["bound_seconds"]
-      d["fraction_of_bound"] = d["bound_seconds"] / d["seconds"]
+      d.update(bandwidth_bound(d["tokens"], d["seconds"], d["bound_bytes"], bandwidth))
 
 
 def _fmt(x, digits=1):
@@ -351,16 +323,19 @@ def markdown(res: dict) -> str:
   d = res["decode"]
   lines.append(f"| decode only (no environment) | {d['seconds']:.2f} | | "
                f"{_fmt(d['tokens_per_s'], 0)} | {d['seconds'] / r['jax']['seconds']:.2f}x |")
+  speedup = r["naive"]["seconds"] / r["jax"]["seconds"]
   lines += ["", "| measure | value | target |", "|---|---|---|",
-            f"| jax rollout vs naive loop (episodes/s) | {r['naive']['seconds'] / r['jax']['seconds']:.1f}x | >= 10x |",
-            f"| jax rollout time / decode-only time | {r['jax']['seconds'] / d['seconds']:.2f} | <= 1.5 |"]
+            f"| jax rollout vs naive loop (episodes/s) | {speedup:.1f}x | >= 10x |",
+            f"| jax rollout time / decode-only time | {r['jax']['seconds'] / d['seconds']:.2f} | "
+            "<= 1.5 |"]
   big_name = f"~{res['big']['size'].upper()} " if res.get("big") else ""
   for name, sec in (("", res), (big_name, res.get("big") or {})):
     if not sec:
       continue
     dd, u = sec["decode"], sec["update"]
     lines += [f"| {name}decode tokens/s (bound) | {_fmt(dd['tokens_per_s'], 0)} "
-              f"({_fmt(dd['bound_tokens_per_s'], 0)}: {100 * dd['fraction_of_bound']:.0f}% of it) | |",
+              f"({_fmt(dd['bound_tokens_per_s'], 0)}: "
+              f"{100 * dd['fraction_of_bound']:.0f}% of it) | |",
               f"| {name}update tokens/s, MFU | {_fmt(u['tokens_per_s'], 0)}, "
               f"{100 * u['mfu']:.1f}% of peak ({u['model_flops_per_s'] / 1e9:.1f} GFLOP/s) | "
               f"{'>= 40%' if name else ''} |"]
@@ -383,9 +358,6 @@ def markdown(res: dict) -> str:
 
 def main(argv):
   del argv
-  import jaxagent.envs as envs
-  from jaxagent.envs.host import HostLookupEnv
-  from jaxagent.models import from_pretrained
   t_start = time.perf_counter()
   reps = _REPEATS.value
   peak, bw = peak_matmul_flops(), read_bandwidth()

@@ -1,10 +1,10 @@
-"""Compare several evaluated runs side by side and decide the claims of STUDY.md.
+"""Compare several evaluated runs side by side and decide the claims of docs/STUDY.md.
 
     python -m launch.compare --config=configs/default.py:smoke \\
         --run base=W0 --run fixed_tight=W1 --run fixed_generous=W2 --run budgetmix=W3 --out D
 
 Each workdir must have been evaluated first (python -m launch.evaluate ...). Writes
-D/{comparison.json, comparison.md, *.png} (see jaxagent.eval.job.compare).
+D/{comparison.json, comparison.md, *.png} (see jaxagent.eval.compare).
 """
 
 from absl import app, flags
@@ -34,8 +34,8 @@ def main(argv):
   del argv
   from launch._logs import quiet_libraries
   quiet_libraries()
-  from jaxagent.eval import job
-  comp = job.compare(parse_runs(_RUNS.value), _OUT.value, _CONFIG.value, base=_BASE.value)
+  from jaxagent.eval import compare
+  comp = compare.compare(parse_runs(_RUNS.value), _OUT.value, _CONFIG.value, base=_BASE.value)
   for num, c in comp["claims"].items():
     print(f"claim {num}: {c['verdict']}")
   print(comp["dir"])

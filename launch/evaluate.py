@@ -6,7 +6,7 @@
     python -m launch.evaluate --config=configs/default.py:smoke --workdir=W --watch \\
         --poll_seconds=60 --timeout_seconds=3600
 
-Writes W/eval/<step>/{report.json, report.md, *.png, episodes.npz} (see jaxagent.eval.job).
+Writes W/eval/<step>/{report.json, report.md, *.png, episodes.npz} (see jaxagent.eval.checkpoints).
 Rerun mode: --config.eval.mode=rerun --config.eval.rerun_budgets=2,4,8.
 """
 
@@ -29,16 +29,16 @@ def main(argv):
   del argv
   from launch._logs import quiet_libraries
   quiet_libraries()
-  from jaxagent.eval import job
+  from jaxagent.eval import checkpoints
   if sum([_STEP.value is not None, _ALL.value, _WATCH.value]) > 1:
     raise app.UsageError("give at most one of --step, --all, --watch")
   config, workdir = _CONFIG.value, _WORKDIR.value
   if _WATCH.value:
-    reps = job.watch(config, workdir, poll_seconds=_POLL.value, timeout_seconds=_TIMEOUT.value)
+    reps = checkpoints.watch(config, workdir, poll_seconds=_POLL.value, timeout_seconds=_TIMEOUT.value)
   elif _ALL.value:
-    reps = job.evaluate_all(config, workdir)
+    reps = checkpoints.evaluate_all(config, workdir)
   else:
-    reps = [job.evaluate_checkpoint(config, workdir, _STEP.value)]
+    reps = [checkpoints.evaluate_checkpoint(config, workdir, _STEP.value)]
   for r in reps:
     print(r["dir"])
 

@@ -4,7 +4,7 @@
     python -m launch.plan --config=configs/hf.py:qwen2.5-7b \\
         --config.model.path=/models/Qwen2.5-7B-Instruct --num_devices=8 --device_memory_gb=80
 
-Prints the table of `jaxagent.sharding.memory.plan_for_config` and exits 1 (with the changes
+Prints the table of `jaxagent.planning.memory.plan_for_config` and exits 1 (with the changes
 that would fit) when the total exceeds --device_memory_gb, or else the memory of this machine's
 first device where the backend reports it (GPU, TPU). Reads only the model's config.json and
 tokenizer (for the rollout context); no weights are loaded and nothing is compiled.
@@ -14,6 +14,8 @@ import sys
 
 from absl import app, flags
 from ml_collections import config_flags
+
+from jaxagent.planning import memory
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file (get_config(arg)).",
                                           lock_config=True)
@@ -33,7 +35,6 @@ flags.mark_flags_as_required(["config"])
 
 def main(argv):
   del argv
-  from jaxagent.sharding import memory
   config = _CONFIG.value
   p = memory.plan_for_config(config, _NUM_DEVICES.value, context_len=_CONTEXT_LEN.value,
                              prompt_len=_PROMPT_LEN.value)

@@ -22,8 +22,8 @@ def main(argv):
   distributed.initialize()
   from launch._logs import quiet_libraries
   quiet_libraries()
-  from jaxagent.learners import trainer
-  trainer.run(_CONFIG.value, _WORKDIR.value)
+  from jaxagent import train
+  train.run(_CONFIG.value, _WORKDIR.value)
 
 
 if __name__ == "__main__":

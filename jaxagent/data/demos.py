@@ -21,7 +21,6 @@ episode i of split s uses key fold_in(fold_in(PRNGKey(seed), s), i).
 from __future__ import annotations
 
 import dataclasses
-import functools
 import hashlib
 import json
 import os
@@ -32,7 +31,9 @@ import jax.numpy as jnp
 import numpy as np
 import tensorflow_datasets as tfds
 
+from jaxagent import envs
 from jaxagent.data import tasks as task_sets
+from jaxagent.envs import demos as env_demos
 
 SPLITS = ("train", "validation")
 _CHUNK = 256
@@ -130,35 +131,23 @@ def _features(max_len: int, max_turns: int) -> tfds.features.FeaturesDict:
   })
 
 
-_ENVS: dict[tuple, tuple[Any, Any]] = {}
-
-
-def _env_for(env_name: str, difficulty_json: str, tokenizer):
-  """The env of a demo set, built once per (family, knobs, tokenizer object)."""
-  from jaxagent import envs
-  key = (env_name, difficulty_json, id(tokenizer))
-  hit = _ENVS.get(key)
-  if hit is None or hit[0] is not tokenizer:
-    hit = (tokenizer, envs.make(env_name, tokenizer, **json.loads(difficulty_json)))
-    _ENVS[key] = hit
-  return hit[1]
-
-
-@functools.lru_cache(maxsize=16)
-def _runner(env, max_turns: int, max_len: int):
-  """One compiled noisy-oracle runner per (env, shapes); the rates are call arguments."""
-  from jaxagent.envs import demos
-  policy = demos.noisy_oracle_policy(env, 0.0, 1.0)
-  return demos.make_episode_runner(env, policy, max_turns=max_turns, max_len=max_len)
+def make_runner(env, config: DemoSetConfig):
+  """The jitted noisy-oracle runner of `env` for `config`'s shapes (max_turns, max_len); the
+  error / recovery rates are call arguments (`env_demos.noisy_oracle_params`)."""
+  policy = env_demos.noisy_oracle_policy(env, 0.0, 1.0)
+  return env_demos.make_episode_runner(env, policy, max_turns=config.max_turns,
+                                       max_len=config.max_len)
 
 
 def generate_demos(env, task_arrays: dict[str, np.ndarray], config: DemoSetConfig,
-                   split_id: int) -> dict[str, np.ndarray]:
+                   split_id: int, run=None) -> dict[str, np.ndarray]:
   """Runs the noisy oracle on every task of a split (`episodes_per_task` times each), in chunks
-  of one compiled runner. Returns feature -> [n_tasks * episodes_per_task, ...] numpy arrays."""
-  from jaxagent.envs import demos
-  run = _runner(env, config.max_turns, config.max_len)
-  params = demos.noisy_oracle_params(config.error_rate, config.recovery_rate)
+  of one compiled runner. Returns feature -> [n_tasks * episodes_per_task, ...] numpy arrays.
+
+  `run` is `make_runner(env, config)` (built here if None; pass one to share its compilation
+  across the splits of a demo set)."""
+  run = make_runner(env, config) if run is None else run
+  params = env_demos.noisy_oracle_params(config.error_rate, config.recovery_rate)
   tasks = task_sets.tasks_from_arrays(env, task_arrays)
   n_tasks = int(task_arrays["index"].shape[0])
   task_index = np.repeat(np.arange(n_tasks), config.episodes_per_task)
@@ -219,8 +208,9 @@ class DemoSets(tfds.core.GeneratorBasedBuilder):
     task_dir = task_sets.build(self._root, cfg.env_name, seed=ts.seed, num_train=ts.num_train,
                                num_validation=ts.num_validation, num_test=ts.num_test,
                                **cfg.difficulty)
-    env = _env_for(cfg.env_name, cfg.difficulty_json, self._tokenizer)
-    self._arrays = {split: generate_demos(env, task_sets.read_split(task_dir, split), cfg, i)
+    env = envs.make(cfg.env_name, self._tokenizer, **cfg.difficulty)
+    run = make_runner(env, cfg)   # one compiled runner for both splits
+    self._arrays = {split: generate_demos(env, task_sets.read_split(task_dir, split), cfg, i, run)
                     for i, split in enumerate(SPLITS)}
     return {split: self._generate_examples(split) for split in SPLITS}
 

@@ -35,6 +35,9 @@ import jax
 import numpy as np
 import tensorflow_datasets as tfds
 
+from jaxagent import envs
+from jaxagent.models.builtin import BUILTIN_DIRS
+
 SPLITS = ("train", "validation", "test")
 _SAMPLE_CHUNK = 512
 _MAX_CHUNKS_PER_SPLIT = 64
@@ -87,15 +90,13 @@ def task_set_config(env_name: str, *, seed: int = 0, num_train: int = 1024,
 
 @functools.lru_cache(maxsize=None)
 def _builtin_tokenizer():
-  from transformers import AutoTokenizer
-  from jaxagent.models.builtin import BUILTIN_DIRS
+  from transformers import AutoTokenizer  # heavy, and only needed to build a task set
   return AutoTokenizer.from_pretrained(str(BUILTIN_DIRS["tiny"]))
 
 
 @functools.lru_cache(maxsize=32)
 def _make_env(env_name: str, difficulty_json: str):
   """The env that samples a task set (cached: builds of one family reuse its compiled sampler)."""
-  from jaxagent import envs
   return envs.make(env_name, _builtin_tokenizer(), **json.loads(difficulty_json))
 
 

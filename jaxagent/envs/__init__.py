@@ -1,6 +1,6 @@
 """JAX-native multi-turn tool-use environments, chosen by name.
 
-    env = jaxagent.envs.make("lookup", tokenizer, hops=3)   # tokenizer: any HF tokenizer, or a TextCodec
+    env = jaxagent.envs.make("lookup", tokenizer, hops=3)   # an HF tokenizer, or a TextCodec
     jaxagent.envs.names()                                   # the registered names
 
 See `base.py` for the environment contract, `codec.py` for the text codec and `common.py` for the
@@ -23,8 +23,6 @@ _REGISTRY: dict[str, str] = {
     "workshop": "jaxagent.envs.workshop:WorkshopEnv",
 }
 
-_CODECS: dict[int, tuple[object, TextCodec]] = {}
-
 
 def names() -> list[str]:
   """The registered environment names, sorted."""
@@ -32,14 +30,11 @@ def names() -> list[str]:
 
 
 def codec_for(tokenizer) -> TextCodec:
-  """The `TextCodec` of a Hugging Face tokenizer, built once per tokenizer object and cached."""
+  """`tokenizer` itself if it is a `TextCodec`, else a new `TextCodec` of that Hugging Face
+  tokenizer (not cached: build the environment, or the codec, once and reuse it)."""
   if isinstance(tokenizer, TextCodec):
     return tokenizer
-  hit = _CODECS.get(id(tokenizer))
-  if hit is None or hit[0] is not tokenizer:
-    hit = (tokenizer, TextCodec.from_tokenizer(tokenizer))
-    _CODECS[id(tokenizer)] = hit
-  return hit[1]
+  return TextCodec.from_tokenizer(tokenizer)
 
 
 def make(name: str, tokenizer, **difficulty):

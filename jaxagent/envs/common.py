@@ -17,8 +17,9 @@ exactly (case-sensitive) against `ByteTable`s of known strings; integers are non
 
 Budget convention (`reset(key, task, budget)`): budget -1 hides the budget; budget >= 0 makes the
 first observation's user turn end with "\\nYou have N turns." (N == 1: "turn.") and every later
-observation body end with "\\nTurns left: k." (k = budget - turns taken, floored at 0), and the
-episode ends (done) when the turns taken reach the budget.
+observation body end with "\\nTurns left: k." (k = budget - turns taken, floored at 0). The
+environment only shows the budget: ending an episode whose budget is spent is the rollout engine's
+job alone (`jaxagent.rollout.engine`), for visible and hidden budgets alike.
 
 Environment state contract used by `finish_step`: a `flax.struct.dataclass` with fields
 `turn` (int32, turns taken), `budget` (int32, -1 hidden) and `done` (bool).
@@ -241,8 +242,8 @@ def is_valid_call(error_kind: jax.Array) -> jax.Array:
 
 
 def finish_step(state, new_state, obs: TokenBuffer, info: StepInfo):
-  """Shared end of every `step`: counts the turn, ends the episode when a visible budget is spent,
-  and makes steps after `done` no-ops. Jittable.
+  """Shared end of every `step`: counts the turn and makes steps after `done` no-ops. Jittable.
+  (A spent budget does not end the episode here: the rollout engine ends it.)
 
   Args:
     state: the pre-step state (fields turn, budget, done; see the module docstring).
@@ -253,10 +254,7 @@ def finish_step(state, new_state, obs: TokenBuffer, info: StepInfo):
     (state, obs, info). If state.done: the unchanged state, an empty observation (length 0) and
     info with reward 0, done True and every flag False/NONE.
   """
-  turn = state.turn + 1
-  spent = (state.budget >= 0) & (turn >= state.budget)
-  new_state = new_state.replace(turn=turn, done=new_state.done | spent)
-  info = info.replace(done=info.done | spent)
+  new_state = new_state.replace(turn=state.turn + 1)
   was_done = state.done
   out_state = jax.tree.map(lambda old, new: jnp.where(was_done, old, new), state, new_state)
   out_obs = obs.replace(length=jnp.where(was_done, 0, obs.length))

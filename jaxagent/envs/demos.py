@@ -201,8 +201,8 @@ def make_episode_runner(env, policy: ScriptedPolicy, *, max_turns: int, max_len:
   Args (of run):
     keys: [B] PRNG keys (one per episode: reset when tasks is None, and the policy's noise).
     tasks: a batched task pytree (leading axis B), or None to sample tasks from the keys.
-    budget: [B] (or scalar) int32 interaction budgets (-1: hidden); the env ends episodes that
-      spend theirs.
+    budget: [B] (or scalar) int32 interaction budgets (-1: hidden, else shown to the agent);
+      an episode stops acting once it has taken `budget` turns (as in the rollout engine).
     params: the policy's params (default `policy.params`), shared by all episodes.
   Each call with the same shapes reuses one compiled program (`run.traces` counts the traces):
   reset, then a `lax.scan` over max_turns turns of (policy act, env step, transcript append), all
@@ -227,7 +227,7 @@ def make_episode_runner(env, policy: ScriptedPolicy, *, max_turns: int, max_len:
     def turn(carry, xs):
       t, k_turn = xs
       state, pcarry, buf, mask, tot, length = carry
-      live = ~state.done
+      live = ~state.done & ((budget < 0) | (t < budget))
       action, pcarry, injected = policy.act(params, k_turn, state, pcarry)
       state, obs, info = env.step(state, action)
       # Later observations of envs that declare `max_step_obs_len` fit in that prefix.

@@ -23,7 +23,8 @@ What the adapter (`HostEnv`) does, the same way as the JAX environments (`common
     ("\\nTurns left: k.") and the chat wrapping, and pads to `max_obs_len`. A host tool whose pieces
     are a JAX env's fragments therefore gives token-identical observations (`HostLookupEnv` does,
     and the tests check it against `LookupEnv`);
-  * counting turns, ending the episode when a visible budget is spent, and no-op steps after done.
+  * counting turns and no-op steps after done (a spent budget is shown, not enforced: the rollout
+    engine ends the episode).
 
 A `HostEpisode` provides:
   optimal_turns: int
@@ -161,8 +162,7 @@ class HostEnv:
       data = self.codec.decode_bytes(tokens[i, :lengths[i]])
       out = ep.act(parse_call_text(data, self.max_action_bytes))
       turn[i] += 1
-      spent = state.budget[i] >= 0 and turn[i] >= state.budget[i]
-      done[i] = out.final_answer or spent
+      done[i] = out.final_answer
       body = self._frags(out.body) + common.budget_suffix_host(self.codec, int(state.budget[i]), int(turn[i]))
       rows.append(concat_host(self.codec.observation([TokenBuffer(t, np.int32(len(t))) for t in body])))
       info["reward"][i] = float(out.solved)

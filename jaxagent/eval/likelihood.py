@@ -1,4 +1,4 @@
-"""Log-likelihood analysis: trajectories of policy A scored under policy B (STUDY.md).
+"""Log-likelihood analysis: trajectories of policy A scored under policy B (docs/STUDY.md).
 
 For a trajectory tau (row b) and parameters theta, with m_l = loss_mask[b, l] (1 exactly on the
 tokens the agent sampled; environment tokens and padding are 0):
@@ -12,7 +12,7 @@ The cross matrix averages over the N_A trajectories of policy A:
 
 (N_A' counts the trajectories with at least one agent token). Log-probabilities are
 log_softmax(logits / T) at the scoring temperature T (T = 0 means 1), the convention of
-`jaxagent.rollout.scoring`, so scoring A's trajectories under A at A's sampling temperature
+`jaxagent.models.scoring`, so scoring A's trajectories under A at A's sampling temperature
 reproduces their behaviour log-probs.
 """
 
@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxagent.models.config import ModelConfig
-from jaxagent.rollout.scoring import token_logprobs
+from jaxagent.models.scoring import token_logprobs
 
 
 def agent_loglik(logprobs: np.ndarray, loss_mask: np.ndarray) -> dict[str, np.ndarray]:

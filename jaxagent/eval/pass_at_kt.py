@@ -1,5 +1,5 @@
 """Pass@(K,T): the probability that at least one of K independent episodes, each capped at T
-turns, solves the task, averaged over tasks (STUDY.md).
+turns, solves the task, averaged over tasks (docs/STUDY.md).
 
 Per task, with n sampled episodes of which c_T solved within T turns, the unbiased estimator is
 
@@ -80,3 +80,22 @@ def pass_grid_rerun(success_turn_by_t: np.ndarray, **kw) -> dict:
   """Rerun mode from per-budget runs: success_turn_by_t [T, tasks, n]."""
   st = np.asarray(success_turn_by_t)
   return pass_at_kt(solved_counts_rerun(st), st.shape[2], **kw)
+
+
+def per_budget_counts(success_by_t: np.ndarray, budgets) -> np.ndarray:
+  """c[tasks, j] = #episodes of run j solved within budgets[j] turns (rerun mode), from success
+  turns [len(budgets), tasks, n]."""
+  b = np.asarray(budgets)[:, None, None]
+  return (np.asarray(success_by_t) <= b).sum(axis=2).T
+
+
+def per_task_pass1(mode: str, success_by_t: np.ndarray, budgets, t_max: int) -> np.ndarray:
+  """Per-task Pass@(1,T) [tasks, len(budgets)] (the grid's K=1 row before averaging), from
+  success turns [len(budgets), tasks, n]: truncation mode cuts the last (T_max) run at each T,
+  rerun mode takes run j at budgets[j]."""
+  st = np.asarray(success_by_t)
+  if mode == "truncation":
+    counts = solved_counts_truncation(st[-1], t_max)[:, np.asarray(budgets) - 1]
+  else:
+    counts = per_budget_counts(st, budgets)
+  return per_task_pass(counts, st.shape[2], k_max=1)[:, 0, :]

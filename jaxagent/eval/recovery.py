@@ -1,4 +1,4 @@
-"""Error recovery (correction) rates by error kind, on-policy and controlled (STUDY.md).
+"""Error recovery (correction) rates by error kind, on-policy and controlled (docs/STUDY.md).
 
 An *error state* is a turn t >= 1 taken right after an acted turn t-1 whose action failed
 (`jaxagent.rollout.stats.error_states`); its *kind* is error_kind[t-1]. Over the error states E_k
@@ -88,10 +88,18 @@ def on_policy_recovery(traj, **kw) -> dict:
   return recovery_rates(o["kind"], o["valid"], o["oracle"], **kw)
 
 
-def controlled_error_states(env, tasks, base_traj, *, budget_visible: bool, max_states: int = 0,
-                            seed: int = 0, row_batch: int = 0) -> step_quality.ReferenceStates:
+def controlled_error_states(replay_fn, tasks, base_traj, *, max_states: int = 0, seed: int = 0,
+                            row_batch: int = 0) -> step_quality.ReferenceStates:
   """The error-state prefixes of `base_traj` as reference states (source "error"); their
-  `prev_error_kind` is the kind each recovery rate is grouped by."""
-  return step_quality.reference_states(env, tasks, base_traj, np.asarray(error_states(base_traj)),
-                                       source="error", budget_visible=budget_visible,
+  `prev_error_kind` is the kind each recovery rate is grouped by.
+
+  Args:
+    replay_fn: `jaxagent.rollout.replay.make_replay_fn(env, budget_visible)` of the env and budget
+      visibility `base_traj` was recorded with.
+    tasks: task pytree per row of `base_traj` (leaves [B, ...]).
+    base_traj: the Trajectory [B, T] whose error states are taken.
+    max_states, seed, row_batch: see `step_quality.reference_states`.
+  """
+  return step_quality.reference_states(replay_fn, tasks, base_traj,
+                                       np.asarray(error_states(base_traj)), source="error",
                                        max_states=max_states, seed=seed, row_batch=row_batch)

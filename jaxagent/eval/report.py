@@ -1,5 +1,5 @@
 """Evaluation reports: the definitions every report states, paired bootstrap helpers, the five
-claims of STUDY.md decided by stated mechanical rules, and markdown rendering.
+claims of docs/STUDY.md decided by stated mechanical rules, and markdown rendering.
 
 Verdicts. Every claim is decided per RL run from a percentile bootstrap interval [lo, hi] of a
 difference D (confidence `confidence`): "held" when the interval lies above 0 as the rule says,

@@ -1,4 +1,4 @@
-"""Step-level action quality: each policy's next action on fixed reference states (STUDY.md).
+"""Step-level action quality: each policy's next action on fixed reference states (docs/STUDY.md).
 
 A *reference state* is a prefix of a recorded episode: for an acted turn t of row b it is
 
@@ -6,15 +6,19 @@ A *reference state* is a prefix of a recorded episode: for an acted turn t of ro
     env state   s_t = step(... step(reset(task_b, budget_b), a_0) ..., a_{t-1})
 
 where a_i = action_tokens[b, i, :action_tokens_len[b, i]] are the actions the environment
-received. The env state is rebuilt by replaying those actions (a vmapped `lax.scan` over turns;
-no model), so any recorded Trajectory — oracle, base policy, a hand-built one — yields states.
+received. The env state is rebuilt by replaying those actions (no model), so any recorded
+Trajectory — oracle, base policy, a hand-built one — yields states.
 
-A policy's *next action* at a state: prefill the prefix into a fresh KV cache
-(`sampler.prefill`), decode one action (`sampler.decode`, stopping at the codec's end-of-turn id
-or after `max_action_tokens`), and `env.step(s_t, action)`; the step's info says whether the
-action is a valid call and whether it equals the oracle's action in s_t (`info.oracle_match`).
-One jitted function does this for a batch of states; greedy (temperature 0) and sampled decoding
-share it (the sampling config is traced).
+A policy's *next action* at a state: prefill the prefix into a fresh KV cache, decode one action
+and step the env state with it; the step's info says whether the action is a valid call and
+whether it equals the oracle's action in s_t (`info.oracle_match`). Greedy (temperature 0) and
+sampled decoding share one compiled function (the sampling config is traced).
+
+The compiled functions are not built here: the caller passes them in, built once by their owner
+(`jaxagent.runs.programs.Programs`) from the rollout layer's factories,
+`jaxagent.rollout.replay.make_replay_fn(env, budget_visible)` (the replay; budget visibility is
+baked in) and `jaxagent.rollout.replay.make_next_action_fn(model_config, env, max_action_tokens)`
+(the next action). This module batches states through them and computes the rates.
 
 Quality over a set S of states (per policy, per decoding mode):
 
@@ -28,17 +32,15 @@ percentile bootstrap interval over states.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import struct
 
-from jaxagent.envs.base import ErrorKind, TokenBuffer
-from jaxagent.models import decoder
-from jaxagent.models.config import ModelConfig
-from jaxagent.rollout import sampler
+from jaxagent.envs.base import ErrorKind
+from jaxagent.models import sampler
+from jaxagent.rollout.replay import NextAction
 
 MODES = ("greedy", "sampled")
 
@@ -61,56 +63,21 @@ class ReferenceStates:
     return int(self.prefix_len.shape[0])
 
 
-def _where_tree(pred_b, new, old):
-  return jax.tree.map(
-      lambda x, y: jnp.where(pred_b.reshape(pred_b.shape + (1,) * (x.ndim - 1)), x, y), new, old)
-
-
-_REPLAY: dict = {}
-
-
-def _replay_fn(env, budget_visible: bool):
-  """jit(fn(tasks [B], budget [B], actions [B,T,A], actions_len [B,T], acted [B,T]) -> states
-  [B, T]): states[b, t] is the env state before turn t's action."""
-  ck = (id(env), bool(budget_visible))
-  if ck in _REPLAY and _REPLAY[ck][0] is env:
-    return _REPLAY[ck][1]
-
-  def run(tasks, budget, actions, actions_len, acted):
-    b = budget.shape[0]
-    reset_budget = budget if budget_visible else jnp.full_like(budget, -1)
-    # Environments ignore the key when given a task (the task fixes the episode).
-    state, _ = jax.vmap(env.reset)(jax.random.split(jax.random.key(0), b), tasks, reset_budget)
-
-    def body(state, x):
-      a, n, act = x
-      new, _, _ = jax.vmap(env.step)(state, TokenBuffer(tokens=a, length=n))
-      return _where_tree(act, new, state), state
-
-    xs = (jnp.swapaxes(actions, 0, 1), actions_len.T, acted.T)
-    _, states = jax.lax.scan(body, state, xs)
-    return jax.tree.map(lambda x: jnp.swapaxes(x, 0, 1), states)
-
-  fn = jax.jit(run)
-  _REPLAY[ck] = (env, fn)
-  return fn
-
-
-def replay_env_states(env, tasks, traj, budget_visible: bool, row_batch: int = 0):
+def replay_env_states(replay_fn, tasks, traj, row_batch: int = 0):
   """Env states before every turn of `traj`, rebuilt from its recorded actions (no model).
 
   Args:
+    replay_fn: `jaxagent.rollout.replay.make_replay_fn(env, budget_visible)`, the env and budget
+      visibility of the rollout that recorded `traj` (a visible budget resets with traj.budget).
     tasks: the task pytree of each row (leaves [B, ...]), i.e. the tasks the rollout used,
       repeated per episode.
     traj: a Trajectory (numpy or jax leaves).
-    budget_visible: whether the rollout told the agent its budget (reset then gets traj.budget).
     row_batch: replay rows in batches of this many (the last padded with row 0), so any B uses
       one compiled program; 0 = all rows at once.
   Returns:
     the env state pytree with leaves [B, T_max, ...]; entry [b, t] is the state in which turn t's
     action was taken (meaningful where traj.acted[b, t]).
   """
-  fn = _replay_fn(env, budget_visible)
   b = int(np.asarray(traj.budget).shape[0])
   r = row_batch or b
   arrays = (np.asarray(traj.budget), np.asarray(traj.action_tokens),
@@ -120,8 +87,8 @@ def replay_env_states(env, tasks, traj, budget_visible: bool, row_batch: int = 0
     idx = np.arange(start, start + r)
     real = idx < b
     idx = np.where(real, idx, 0)
-    got = fn(jax.tree.map(lambda x: x[jnp.asarray(idx)], tasks),
-             *[jnp.asarray(a[idx]) for a in arrays])
+    got = replay_fn(jax.tree.map(lambda x: x[jnp.asarray(idx)], tasks),
+                    *[jnp.asarray(a[idx]) for a in arrays])
     parts.append(jax.tree.map(lambda x: x[jnp.asarray(np.nonzero(real)[0])], got))
   return parts[0] if len(parts) == 1 else jax.tree.map(lambda *xs: jnp.concatenate(xs), *parts)
 
@@ -130,11 +97,12 @@ def _bucket(n: int, multiple: int = 64) -> int:
   return max(multiple, -(-n // multiple) * multiple)
 
 
-def reference_states(env, tasks, traj, mask, *, source: str, budget_visible: bool,
-                     max_states: int = 0, seed: int = 0, row_batch: int = 0) -> ReferenceStates:
+def reference_states(replay_fn, tasks, traj, mask, *, source: str, max_states: int = 0,
+                     seed: int = 0, row_batch: int = 0) -> ReferenceStates:
   """Reference states at the turns where `mask` [B, T] is true (and the row acted).
 
   Args:
+    replay_fn: see `replay_env_states`.
     tasks: task pytree per row (leaves [B, ...]).
     traj: the source Trajectory.
     mask: [B, T] bool, e.g. `traj.acted` (every state) or `stats.error_states(traj)`.
@@ -149,7 +117,7 @@ def reference_states(env, tasks, traj, mask, *, source: str, budget_visible: boo
   if max_states and len(rows) > max_states:
     keep = np.sort(np.random.default_rng(seed).choice(len(rows), max_states, replace=False))
     rows, turns = rows[keep], turns[keep]
-  states = replay_env_states(env, tasks, traj, budget_visible, row_batch)
+  states = replay_env_states(replay_fn, tasks, traj, row_batch)
   env_state = jax.tree.map(lambda x: x[jnp.asarray(rows), jnp.asarray(turns)], states)
   turn_start = np.asarray(traj.turn_start)
   prefix_len = turn_start[rows, turns].astype(np.int32)
@@ -189,63 +157,10 @@ def concat_states(parts: Sequence[ReferenceStates]) -> ReferenceStates:
 # ---- next action --------------------------------------------------------------------------------
 
 
-@struct.dataclass
-class NextAction:
-  """A policy's next action at each of N states and what the environment made of it."""
-  tokens: jax.Array        # [N, A_env] int32 the action (no end-of-turn token; pad after length)
-  length: jax.Array        # [N] int32
-  valid_call: jax.Array    # [N] bool
-  oracle_match: jax.Array  # [N] bool
-  error_kind: jax.Array    # [N] int32 ErrorKind
-
-
-_NEXT: dict = {}
-
-
-def make_next_action_fn(mcfg: ModelConfig, env, max_action_tokens: int):
-  """jit(fn(params, prefix [N,P], prefix_len [N], env_state [N], key, sc) -> NextAction).
-
-  The KV cache holds P + max_action_tokens slots; positions are slot indices, as in a rollout,
-  so greedy decoding reproduces the action a greedy rollout took at the same prefix. The action
-  the environment receives is the decoded tokens without the end-of-turn token (a turn that hits
-  `max_action_tokens` without it is cut there), exactly as the rollout engine does. Compiled once
-  per (P, N); params, contents, key and sampling knobs are traced. One function object per
-  (model config, environment, max_action_tokens), so evaluators share its compilations.
-  """
-  ck = (mcfg, id(env), int(max_action_tokens))
-  if ck in _NEXT and _NEXT[ck][0] is env:
-    return _NEXT[ck][1]
-  eot, pad = int(env.codec.end_of_turn_id), int(env.codec.pad_id)
-  a, a_env = int(max_action_tokens), int(env.max_action_len)
-  if not 2 <= a <= a_env:
-    raise ValueError(f"max_action_tokens={a} must be in [2, the environment's max_action_len = "
-                     f"{a_env}] (it counts the end-of-turn token)")
-
-  def run(params, prefix, prefix_len, env_state, key, sc):
-    n, p = prefix.shape
-    cache = decoder.init_cache(mcfg, n, p + a)
-    logits, cache = sampler.prefill(mcfg, params, cache, prefix, prefix_len)
-    gen = sampler.decode(mcfg, params, cache, logits, key, sc,
-                         max_new=jnp.full((n,), a, jnp.int32),
-                         stop_tokens=jnp.full((n, 1), eot, jnp.int32), max_new_tokens=a,
-                         pad_id=pad)
-    n_act = gen.lengths - gen.stopped.astype(jnp.int32)
-    cols = jnp.arange(a)[None, :]
-    toks = jnp.where(cols < n_act[:, None], gen.tokens, pad)
-    toks = jnp.pad(toks, ((0, 0), (0, a_env - a)), constant_values=pad)
-    action = TokenBuffer(tokens=toks, length=n_act)
-    _, _, info = jax.vmap(env.step)(env_state, action)
-    return NextAction(tokens=toks, length=n_act, valid_call=info.valid_call,
-                      oracle_match=info.oracle_match, error_kind=info.error_kind)
-
-  fn = jax.jit(run)
-  _NEXT[ck] = (env, fn)
-  return fn
-
-
-def next_actions(fn, params, refs: ReferenceStates, key, temperature: float,
-                 batch_size: int) -> dict[str, np.ndarray]:
-  """Runs `fn` (from `make_next_action_fn`) over all states in fixed-size batches.
+def next_actions(fn: Callable[..., NextAction], params, refs: ReferenceStates, key,
+                 temperature: float, batch_size: int) -> dict[str, np.ndarray]:
+  """Runs `fn` (from `jaxagent.rollout.replay.make_next_action_fn`) over all states in
+  fixed-size batches.
 
   The last batch is padded with copies of state 0 (dropped from the output), so every call has
   the shape [batch_size, P]. Batch i uses fold_in(key, i).

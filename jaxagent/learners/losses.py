@@ -125,18 +125,23 @@ def aggregate(x_bl: jax.Array, loss_mask_bl: jax.Array, episode_weight_b: jax.Ar
 
 
 def policy_loss(logp: jax.Array, behaviour_logp: jax.Array, advantages: jax.Array,
-                loss_mask: jax.Array, *, loss: str, aggregation: str,
-                clip_eps_low: float = 0.2, clip_eps_high: float = 0.2,
-                ref_logp: jax.Array | None = None, kl_coef: float = 0.0,
-                kl_estimator: str = "k3", entropy: jax.Array | None = None,
-                entropy_coef: float = 0.0, episode_weight: jax.Array | None = None):
+                loss_mask: jax.Array, *, loss: str, aggregation: str, clip_eps_low: float,
+                clip_eps_high: float, kl_coef: float, kl_estimator: str, entropy_coef: float,
+                ref_logp: jax.Array | None = None, entropy: jax.Array | None = None,
+                episode_weight: jax.Array | None = None):
   """The total loss [] and its metrics.
+
+  The knobs (loss .. entropy_coef) are required: their defaults live in the config
+  (LearnerConfig, configs/default.py).
 
   Args:
     logp, behaviour_logp, loss_mask: [B, L] float32 (current / rollout log-probs, agent tokens).
     advantages: [B] float32, one per episode, broadcast to its tokens.
     loss: a registered policy loss ("reinforce", "ppo_clip").
     aggregation: "token" or "sequence".
+    clip_eps_low, clip_eps_high: the clip range [1 - low, 1 + high] (ppo_clip).
+    kl_coef, kl_estimator: weight and registered estimator ("k1", "k3") of the KL term.
+    entropy_coef: weight of the entropy bonus.
     ref_logp: [B, L] reference log-probs; the KL term is added (kl_coef * kl) when given.
     entropy: [B, L] per-token entropy; the bonus (-entropy_coef * H) is added when given.
     episode_weight: [B] float32 (e.g. `rewards.equal_group_mask`), default all 1.

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import optax
 
 from jaxagent.models.config import ModelConfig
-from jaxagent.rollout.scoring import token_logprobs
+from jaxagent.models.scoring import token_logprobs
 
 
 def sft_loss(cfg: ModelConfig, params, tokens, length, loss_mask):

@@ -28,7 +28,7 @@ from jaxagent.learners.advantages import ADVANTAGE_ESTIMATORS, compute_advantage
 from jaxagent.learners.losses import AGGREGATIONS, KL_ESTIMATORS, POLICY_LOSSES, policy_loss
 from jaxagent.learners.rewards import episode_rewards, equal_group_mask
 from jaxagent.models.config import ModelConfig
-from jaxagent.rollout.scoring import token_logprobs, token_logprobs_and_entropy
+from jaxagent.models.scoring import token_logprobs, token_logprobs_and_entropy
 from jaxagent.rollout.trajectory import Trajectory
 from jaxagent.sharding import batch_sharding
 from jaxagent.sharding.mesh import mesh_context
@@ -44,8 +44,17 @@ class TrainState:
   key: jax.Array     # PRNG key; split once per update call (minibatch permutations)
 
 
-def init_train_state(params, optimizer: optax.GradientTransformation, key: jax.Array) -> TrainState:
-  return TrainState(step=jnp.int32(0), params=params, opt_state=optimizer.init(params), key=key)
+def init_train_state(params, optimizer: optax.GradientTransformation, key: jax.Array,
+                     mesh: jax.sharding.Mesh | None = None) -> TrainState:
+  """A fresh train state. With a mesh every leaf lives on it: params and the optimizer's moments
+  keep the params' shardings, scalars (step, key, counts) are replicated."""
+  state = TrainState(step=jnp.int32(0), params=params, opt_state=optimizer.init(params), key=key)
+  if mesh is None:
+    return state
+  rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+  on_mesh = lambda x: (isinstance(x, jax.Array) and hasattr(x.sharding, "mesh")
+                       and x.sharding.mesh == mesh)
+  return jax.tree.map(lambda x: x if on_mesh(x) else jax.device_put(x, rep), state)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,7 +143,7 @@ class LearnerConfig:
   def make_optimizer(self, total_steps: int = 0) -> optax.GradientTransformation:
     """`make_optimizer` with this config's knobs; total_steps: the run's optimizer steps
     (needed by the cosine schedule only)."""
-    return make_optimizer(self.learning_rate, schedule=self.schedule,
+    return make_optimizer(learning_rate=self.learning_rate, schedule=self.schedule,
                           warmup_steps=self.warmup_steps, total_steps=total_steps,
                           end_lr_ratio=self.end_lr_ratio, weight_decay=self.weight_decay,
                           max_grad_norm=self.max_grad_norm, b1=self.adam_b1, b2=self.adam_b2,
@@ -178,12 +187,13 @@ def decay_mask(params):
   return jax.tree_util.tree_map_with_path(keep, params)
 
 
-def make_optimizer(learning_rate: float, *, schedule: str = "constant", warmup_steps: int = 0,
-                   total_steps: int = 0, end_lr_ratio: float = 0.0, weight_decay: float = 0.0,
-                   max_grad_norm: float = 1.0, b1: float = 0.9, b2: float = 0.999,
-                   eps: float = 1e-8) -> optax.GradientTransformation:
+def make_optimizer(*, learning_rate: float, schedule: str, warmup_steps: int, total_steps: int,
+                   end_lr_ratio: float, weight_decay: float, max_grad_norm: float, b1: float,
+                   b2: float, eps: float) -> optax.GradientTransformation:
   """AdamW (decoupled weight decay, not on norms/biases) after global-norm gradient clipping,
   with the schedule of `lr_schedule_fn` (total_steps: the run's optimizer steps, cosine only).
+  Every argument is required (the defaults live in the config: LearnerConfig.make_optimizer, or
+  configs/default.py's sections).
   The current learning rate lives in the state (`current_learning_rate(opt_state)`), so the
   jitted update can report it.
 

@@ -7,8 +7,9 @@ tokenizer, and convenience methods (`forward`, `generate`, `save_pretrained`).
     outs = policy.generate([[1, 2, 3]], max_new_tokens=8, temperature=0.0)
     policy.save_pretrained("/tmp/out")                  # transformers loads it
 
-The hot paths (rollouts, updates) call the pure functions in `jaxagent.models.decoder` and
-`jaxagent.rollout.sampler` on `policy.params` directly, under their own `jit`.
+The hot paths (rollouts, updates) call the pure functions in `jaxagent.models.decoder`,
+`jaxagent.models.sampler` and `jaxagent.models.scoring` on `policy.params` directly, under their
+own `jit`.
 """
 
 from __future__ import annotations
@@ -23,8 +24,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
+from transformers import AutoTokenizer
 
-from jaxagent.models import decoder, hf_io
+from jaxagent.models import decoder, hf_io, sampler
 from jaxagent.models.builtin import BUILTIN_DIRS
 from jaxagent.models.config import CheckpointError, ModelConfig
 from jaxagent.sharding import tree_shardings
@@ -70,7 +72,6 @@ class Policy:
     and the number of stop tokens are padded to powers of two so similar calls reuse one
     compiled program.
     """
-    from jaxagent.rollout import sampler   # models must not import rollout at module level
     if not prompts or any(len(p) == 0 for p in prompts):
       raise ValueError("generate: every prompt needs at least one token")
     b = len(prompts)
@@ -118,6 +119,20 @@ def resolve_path(path: str | os.PathLike) -> pathlib.Path:
   return pathlib.Path(path).expanduser()
 
 
+def load_config_and_tokenizer(path: str | os.PathLike, dtype: str = "float32",
+                              param_dtype: str | None = None) -> tuple[ModelConfig, Any]:
+  """(ModelConfig, tokenizer) of a local Hugging Face directory or built-in name, without the
+  weights: what `from_pretrained` gives `Policy.config` and `Policy.tokenizer`."""
+  root = resolve_path(path)
+  cfg = hf_io.read_config(root, dtype=dtype, param_dtype=param_dtype or dtype)
+  hf_io.check_tokenizer_files(root)
+  tokenizer = AutoTokenizer.from_pretrained(str(root))
+  if len(tokenizer) > cfg.vocab_size:
+    raise CheckpointError(f"{root}: the tokenizer has {len(tokenizer)} tokens but config.json "
+                          f"vocab_size is {cfg.vocab_size}; the tokenizer belongs to another model")
+  return cfg, tokenizer
+
+
 def from_pretrained(path: str | os.PathLike, dtype: str = "float32", mesh: Mesh | None = None,
                     param_dtype: str | None = None) -> Policy:
   """Loads a policy from a local Hugging Face directory or a built-in name ("builtin:tiny").
@@ -126,14 +141,8 @@ def from_pretrained(path: str | os.PathLike, dtype: str = "float32", mesh: Mesh 
     dtype: compute dtype (activations, KV cache), and the parameter dtype unless `param_dtype`.
     mesh: place each parameter with its logical-axis sharding on this mesh as it is read.
   """
-  from transformers import AutoTokenizer
   root = resolve_path(path)
-  cfg = hf_io.read_config(root, dtype=dtype, param_dtype=param_dtype or dtype)
-  hf_io.check_tokenizer_files(root)
-  tokenizer = AutoTokenizer.from_pretrained(str(root))
-  if len(tokenizer) > cfg.vocab_size:
-    raise CheckpointError(f"{root}: the tokenizer has {len(tokenizer)} tokens but config.json "
-                          f"vocab_size is {cfg.vocab_size}; the tokenizer belongs to another model")
+  cfg, tokenizer = load_config_and_tokenizer(path, dtype, param_dtype)
   shardings = param_shardings(cfg, mesh)
   has_weights = (root / hf_io.SINGLE_FILE).exists() or (root / hf_io.INDEX_FILE).exists()
   if not has_weights and cfg.init_seed is not None:

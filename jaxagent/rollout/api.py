@@ -1,4 +1,11 @@
-"""Public rollout API: `rollout(policy, env, key, tasks_or_num, group_size, budgets, **cfg)`."""
+"""Public rollout API: `Rollouts`, the owner of one (model config, environment)'s compiled
+rollout programs, and `rollout(...)`, a one-off call.
+
+    rollouts = Rollouts(policy.config, env)           # build once; reuse for every batch
+    traj = rollouts(params, key, tasks, group_size, budgets, max_turns=8, mesh=policy.mesh)
+    rollouts.compiles, rollouts.traces                 # programs built / traced (no recompiles)
+    traj = rollout(policy, env, key, tasks, group_size, budgets, max_turns=8)   # one-off
+"""
 
 from __future__ import annotations
 
@@ -7,13 +14,12 @@ import jax
 import jax.numpy as jnp
 
 from jaxagent.envs.host import HostEnv
-from jaxagent.rollout import sampler
+from jaxagent.models import sampler
+from jaxagent.models.config import ModelConfig
 from jaxagent.rollout.engine import HostRollout, RolloutConfig, make_rollout_fn, step_obs_len
 from jaxagent.rollout.trajectory import Trajectory
 from jaxagent.sharding import batch_sharding
 from jaxagent.sharding.mesh import mesh_context
-
-_COMPILED: dict = {}
 
 
 def default_context_len(env, max_turns: int, max_action_tokens: int) -> int:
@@ -70,58 +76,94 @@ def build_batch(env, key, tasks_or_num, group_size: int):
   return tasks, ids, ids.copy(), n
 
 
-def rollout(policy, env, key, tasks_or_num, group_size: int = 1, budgets=None, *,
-            max_turns: int | None = None, max_action_tokens: int | None = None,
-            context_len: int | None = None, budget_visible: bool = False,
-            temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
-            params=None, forced_action=None) -> Trajectory:
-  """Runs B = num_tasks x group_size episodes of `env` with `policy`.
+class Rollouts:
+  """The compiled rollout programs of one (model config, environment): one program per static
+  `RolloutConfig` and forced-action function, built on first use and kept for the owner's life.
+  Build one per policy config and environment (the run's `Programs` does) and call it for every
+  batch; `compiles` counts programs built and `traces` counts their traces, so a loop can assert
+  that it never recompiles."""
 
-  Args:
-    tasks_or_num: a batch of task pytrees (leading axis num_tasks) or a number of random tasks.
-    budgets: interaction budget per episode: scalar, [num_tasks] or [B] (default max_turns).
-    max_turns: T_max, static (default: the largest budget). Keep it fixed across calls (e.g. the
-      largest budget of a BudgetMix distribution) so changing budgets never recompiles.
-    max_action_tokens: tokens per turn, <eot> included (default and at most env.max_action_len).
-    context_len: transcript/KV capacity per row (default: room for every turn).
-    params: parameters to roll out with (default policy.params).
-    forced_action: `(env_state, key) -> TokenBuffer` to force actions instead of sampling (e.g.
-      `lambda s, k: env.oracle_action(s)`); see `make_rollout_fn`. Compiled once per function.
-  """
-  k_tasks, k_run = jax.random.split(key)
-  tasks, task_id, group_id, n = build_batch(env, k_tasks, tasks_or_num, group_size)
-  if budgets is None:
-    if max_turns is None:
-      raise ValueError("rollout: give budgets or max_turns")
-    budgets = max_turns
-  budget = expand_budgets(budgets, n, group_size)
-  if budget.min() < 0:
-    raise ValueError(f"budgets must be >= 0, got min {budget.min()}")
-  max_turns = int(budget.max()) if max_turns is None else max_turns
-  if budget.max() > max_turns:
-    raise ValueError(f"a budget of {budget.max()} exceeds max_turns={max_turns}; raise max_turns")
-  a = max_action_tokens or env.max_action_len
-  cfg = RolloutConfig(max_turns=max_turns, max_action_tokens=a,
-                      context_len=context_len or default_context_len(env, max_turns, a),
-                      budget_visible=budget_visible)
-  sc = sampler.SamplingConfig.make(temperature, top_k, top_p)
-  ck = (policy.config, id(env), cfg, forced_action)
-  if ck not in _COMPILED:
-    if _is_host(env):
-      if forced_action is not None:
-        raise ValueError("forced_action needs a JAX-native environment")
-      _COMPILED[ck] = HostRollout(policy.config, env, cfg)
-    else:
-      _COMPILED[ck] = make_rollout_fn(policy.config, env, cfg, forced_action)
-  fn = _COMPILED[ck]
-  # On a mesh the episodes are split over (data, fsdp) like every other batch; without this
-  # every device would run (and hold the KV cache of) the whole batch.
-  # (A host environment's tasks stay on the host; its observations follow the budgets.)
-  mesh, b = getattr(policy, "mesh", None), budget.shape[0]
-  budget, task_id, group_id = place_batch(mesh, (budget, task_id, group_id), b)
-  if not _is_host(env):
-    tasks = place_batch(mesh, tasks, b)
-  args = (policy.params if params is None else params, k_run, tasks, jnp.asarray(budget),
-          jnp.asarray(task_id), jnp.asarray(group_id), sc)
-  with mesh_context(mesh):     # the decoder keeps activations split over the batch axes
-    return fn(*args)
+  def __init__(self, model_config: ModelConfig, env):
+    self.model_config, self.env = model_config, env
+    self._programs: dict = {}
+    self.compiles = 0   # programs built
+    self.traces = 0     # traces of those programs (a JAX-native program traces once per shape)
+
+  def _counted(self):
+    self.traces += 1
+
+  def program(self, cfg: RolloutConfig, forced_action=None):
+    """The program for `cfg` (built on first use): `fn(params, key, tasks, budget, task_id,
+    group_id, sampling) -> Trajectory`."""
+    ck = (cfg, forced_action)
+    if ck not in self._programs:
+      if _is_host(self.env):
+        if forced_action is not None:
+          raise ValueError("forced_action needs a JAX-native environment")
+        self._programs[ck] = HostRollout(self.model_config, self.env, cfg)
+      else:
+        self._programs[ck] = make_rollout_fn(self.model_config, self.env, cfg, forced_action,
+                                             on_trace=self._counted)
+      self.compiles += 1
+    return self._programs[ck]
+
+  def __call__(self, params, key, tasks_or_num, group_size: int = 1, budgets=None, *,
+               mesh=None, max_turns: int | None = None, max_action_tokens: int | None = None,
+               context_len: int | None = None, budget_visible: bool = False,
+               temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
+               forced_action=None) -> Trajectory:
+    """Runs B = num_tasks x group_size episodes of the environment with `params`.
+
+    Args:
+      tasks_or_num: a batch of task pytrees (leading axis num_tasks) or a number of random tasks.
+      budgets: interaction budget per episode: scalar, [num_tasks] or [B] (default max_turns).
+      mesh: the policy's mesh (episodes are split over its batch axes), or None.
+      max_turns: T_max, static (default: the largest budget). Keep it fixed across calls (e.g.
+        `Budget.max_turns` of a BudgetMix spec) so changing budgets never recompiles.
+      max_action_tokens: tokens per turn, <eot> included (default and at most
+        env.max_action_len).
+      context_len: transcript/KV capacity per row (default: room for every turn).
+      forced_action: `(env_state, key) -> TokenBuffer` to force actions instead of sampling
+        (e.g. `lambda s, k: env.oracle_action(s)`); see `make_rollout_fn`. One program per
+        function object.
+    """
+    env = self.env
+    k_tasks, k_run = jax.random.split(key)
+    tasks, task_id, group_id, n = build_batch(env, k_tasks, tasks_or_num, group_size)
+    if budgets is None:
+      if max_turns is None:
+        raise ValueError("rollout: give budgets or max_turns")
+      budgets = max_turns
+    budget = expand_budgets(budgets, n, group_size)
+    if budget.min() < 0:
+      raise ValueError(f"budgets must be >= 0, got min {budget.min()}")
+    max_turns = int(budget.max()) if max_turns is None else max_turns
+    if budget.max() > max_turns:
+      raise ValueError(f"a budget of {budget.max()} exceeds max_turns={max_turns}; raise "
+                       "max_turns")
+    a = max_action_tokens or env.max_action_len
+    cfg = RolloutConfig(max_turns=max_turns, max_action_tokens=a,
+                        context_len=context_len or default_context_len(env, max_turns, a),
+                        budget_visible=budget_visible)
+    sc = sampler.SamplingConfig.make(temperature, top_k, top_p)
+    fn = self.program(cfg, forced_action)
+    # On a mesh the episodes are split over (data, fsdp) like every other batch; without this
+    # every device would run (and hold the KV cache of) the whole batch.
+    # (A host environment's tasks stay on the host; its observations follow the budgets.)
+    b = budget.shape[0]
+    budget, task_id, group_id = place_batch(mesh, (budget, task_id, group_id), b)
+    if not _is_host(env):
+      tasks = place_batch(mesh, tasks, b)
+    args = (params, k_run, tasks, jnp.asarray(budget), jnp.asarray(task_id),
+            jnp.asarray(group_id), sc)
+    with mesh_context(mesh):     # the decoder keeps activations split over the batch axes
+      return fn(*args)
+
+
+def rollout(policy, env, key, tasks_or_num, group_size: int = 1, budgets=None, *,
+            params=None, **kwargs) -> Trajectory:
+  """One-off: `Rollouts(policy.config, env)(params or policy.params, ..., mesh=policy.mesh)`.
+  It builds (and compiles) a new program on every call; hold a `Rollouts` to reuse one."""
+  return Rollouts(policy.config, env)(policy.params if params is None else params, key,
+                                      tasks_or_num, group_size, budgets, mesh=policy.mesh,
+                                      **kwargs)

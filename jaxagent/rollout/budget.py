@@ -1,4 +1,6 @@
-"""BudgetMix: the interaction budget T of each batch (or each task group), drawn from a spec.
+"""The interaction budget T, typed: parsed once from a spec, then used everywhere (BudgetMix
+draws it per batch or per task group; the rollout engine carries it per row and ends an episode
+when it is spent; reports classify training arms by its `arm`).
 
 Spec strings (whitespace ignored; budgets are integers >= 1):
 
@@ -13,9 +15,11 @@ Mode `per` (how often T is drawn): "batch" (default) draws one T per batch, shar
 group; "group" draws one T per task group, independently. Within a GRPO group all episodes always
 share one T, so their rewards compare.
 
-    sampler = parse_budget("mix:2,4,8,12", per="batch")
-    sampler.max_budget                                   # 12: the static T_max to compile with
-    budgets = sampler.sample(step, key, num_groups)      # int32 [num_groups]
+    budget = Budget.parse("mix:2,4,8,12", per="batch")
+    budget.max_turns                                     # 12: T_max, the static shape to compile with
+    budget.support                                       # (2, 4, 8, 12): every value it can draw
+    budget.arm                                           # "mix" (or "fixed", "schedule")
+    budgets = budget.sample(step, key, num_groups)       # int32 [num_groups]
 
 `sample` is a pure function of (step, key): T = f(fold_in(key, step)), so a resumed run draws
 the same budgets, and it is jit-friendly (step may be traced; num_groups is static).
@@ -42,20 +46,44 @@ class BudgetSpecError(ValueError):
   """A budget spec that does not parse; the message shows the valid forms."""
 
 
+# How a training run's budget is classified for the study's claims: one value for the whole run,
+# a draw from a distribution (BudgetMix), or a value that changes over training steps.
+ARMS = ("fixed", "mix", "schedule")
+
+
 @dataclasses.dataclass(frozen=True)
-class BudgetSampler:
-  """A parsed budget spec (hashable; see the module docstring)."""
-  kind: str                   # one of KINDS
+class Budget:
+  """A parsed budget spec (hashable; see the module docstring). Build it with `Budget.parse`."""
+  kind: str                   # one of KINDS (as written in the spec)
   budgets: tuple[int, ...]    # the budgets (schedule: the budget of each segment, in order)
   probs: tuple[float, ...]    # fixed/mix/weighted: probability of each budget (sums to 1)
   steps: tuple[int, ...]      # schedule: the first training step of each segment; else ()
   per: str = "batch"          # one of PER_MODES: one draw per batch or per task group
   spec: str = ""              # the spec it was parsed from
 
+  @classmethod
+  def parse(cls, spec: str, per: str = "batch") -> "Budget":
+    """Parses a spec string (module docstring); `BudgetSpecError` (a ValueError) with the valid
+    forms when it does not parse."""
+    return _parse(spec, per)
+
   @property
-  def max_budget(self) -> int:
-    """The largest budget it can draw: the static T_max rollouts are compiled with."""
+  def max_turns(self) -> int:
+    """T_max: the largest budget it can draw, the static turn count rollouts are compiled with."""
     return max(self.budgets)
+
+  @property
+  def support(self) -> tuple[int, ...]:
+    """Every budget it can draw, sorted, each once."""
+    return tuple(sorted(set(self.budgets)))
+
+  @property
+  def arm(self) -> str:
+    """One of ARMS: "fixed" when it can draw one value only (`fixed:8`, `8`, `mix:8`,
+    `schedule:0=8`), "schedule" for a schedule over several values, else "mix"."""
+    if len(self.support) == 1:
+      return "fixed"
+    return "schedule" if self.kind == "schedule" else "mix"
 
   def sample(self, step, key: jax.Array, num_groups: int) -> jax.Array:
     """Budgets int32 [num_groups], one per task group; all equal in "batch" mode.
@@ -97,9 +125,7 @@ def _pairs(spec: str, body: str) -> list[tuple[str, str]]:
   return out
 
 
-def parse_budget(spec: str, per: str = "batch") -> BudgetSampler:
-  """Parses a spec string (module docstring) into a `BudgetSampler`; `BudgetSpecError`
-  (a ValueError) with the valid forms when it does not parse."""
+def _parse(spec: str, per: str) -> Budget:
   if per not in PER_MODES:
     raise BudgetSpecError(f"budget per={per!r}: draw the budget per 'batch' or per 'group'")
   if not isinstance(spec, str):
@@ -149,12 +175,12 @@ def parse_budget(spec: str, per: str = "batch") -> BudgetSampler:
   if kind in ("mix", "weighted") and len(set(budgets)) != len(budgets):
     _fail(spec, f"budgets {list(budgets)} repeat a value (give each once; use weighted: for "
           "unequal probabilities)")
-  return BudgetSampler(kind=kind, budgets=budgets, probs=probs, steps=steps, per=per, spec=spec)
+  return Budget(kind=kind, budgets=budgets, probs=probs, steps=steps, per=per, spec=spec)
 
 
-def budget_distribution(sampler: BudgetSampler, step: int) -> dict[int, float]:
+def budget_distribution(budget: Budget, step: int) -> dict[int, float]:
   """{budget: probability} of one draw at `step` (host-side; for reports and tests)."""
-  if sampler.kind == "schedule":
-    seg = int(np.searchsorted(np.asarray(sampler.steps), step, side="right")) - 1
-    return {sampler.budgets[max(seg, 0)]: 1.0}
-  return dict(zip(sampler.budgets, sampler.probs))
+  if budget.kind == "schedule":
+    seg = int(np.searchsorted(np.asarray(budget.steps), step, side="right")) - 1
+    return {budget.budgets[max(seg, 0)]: 1.0}
+  return dict(zip(budget.budgets, budget.probs))

@@ -7,8 +7,11 @@ is a `lax.while_loop` inside `jit` (it exits as soon as every row has stopped), 
 round-trip per turn or per token. With a host (Python) environment the same jitted `act` and
 `observe` halves run on either side of the host's `step`, and the output is the same.
 
-Budgets are a per-row vector: row b acts at most budget[b] turns. Budgets, tasks, sampling knobs
-and the key are traced values: changing them never recompiles (this is what makes BudgetMix free).
+Budgets are a per-row vector carried in the loop state: row b acts at most budget[b] turns, and
+the engine alone ends a row whose budget is spent (status BUDGET_SPENT, whether the budget is
+visible to the agent or not; a visible budget is only shown by the environment). Budgets, tasks,
+sampling knobs and the key are traced values: changing them never recompiles (this is what makes
+BudgetMix free).
 Shapes (B, T_max, tokens per turn, context length) and budget visibility are static.
 
 Transcript per row (compact; `Trajectory.tokens[b, :length[b]]`):
@@ -30,7 +33,7 @@ from flax import struct
 from jaxagent.envs.base import StepInfo, TokenBuffer
 from jaxagent.models import decoder
 from jaxagent.models.config import ModelConfig
-from jaxagent.rollout import sampler
+from jaxagent.models import sampler
 from jaxagent.rollout.trajectory import Status, Trajectory
 
 
@@ -75,6 +78,7 @@ class _Carry:
   done: jax.Array           # [B] bool the environment ended the episode
   status: jax.Array         # [B] int32 Status
   num_turns: jax.Array      # [B] int32
+  budget: jax.Array         # [B] int32 turns row b may take (the one place budgets are enforced)
   key: jax.Array
 
 
@@ -85,20 +89,21 @@ def _write(buf, chunk, offset, active):
   return jnp.where(active[:, None], upd, buf)
 
 
-def _alive(c: _Carry, budget, cfg: RolloutConfig, obs_len: int):
-  """Rows that take turn c.t, and the status of rows that stop before it."""
+def _alive(c: _Carry, cfg: RolloutConfig, obs_len: int):
+  """Rows that take turn c.t, and the status of rows that stop before it: a spent budget
+  (BUDGET_SPENT) or a context that cannot hold another turn (CONTEXT_FULL)."""
   fits = c.cache.length + cfg.max_action_tokens + 1 + obs_len <= cfg.context_len
   waiting = (~c.done) & (c.status == Status.RUNNING)
-  spent = waiting & (c.num_turns >= budget)
+  spent = waiting & (c.num_turns >= c.budget)
   full = waiting & ~spent & ~fits
   status = jnp.where(spent, Status.BUDGET_SPENT, jnp.where(full, Status.CONTEXT_FULL, c.status))
   return waiting & ~spent & fits, status
 
 
 def _act(mcfg: ModelConfig, cfg: RolloutConfig, eot: int, pad: int, action_len: int,
-         params, c: _Carry, budget, sc: sampler.SamplingConfig, obs_len: int):
+         params, c: _Carry, sc: sampler.SamplingConfig, obs_len: int):
   """Decodes one action per live row. Returns (carry, action TokenBuffer [B], active, stopped)."""
-  active, status = _alive(c, budget, cfg, obs_len)
+  active, status = _alive(c, cfg, obs_len)
   b = active.shape[0]
   key, sub = jax.random.split(c.key)
   a = cfg.max_action_tokens
@@ -125,10 +130,10 @@ def _act(mcfg: ModelConfig, cfg: RolloutConfig, eot: int, pad: int, action_len: 
 
 
 def _act_forced(mcfg: ModelConfig, cfg: RolloutConfig, eot: int, pad: int, action_len: int,
-                params, c: _Carry, budget, action: TokenBuffer, obs_len: int, temperature):
+                params, c: _Carry, action: TokenBuffer, obs_len: int, temperature):
   """Like `_act`, but the action is given (teacher forcing, e.g. the oracle's): its tokens and
   <eot> are prefilled, marked as agent tokens (loss_mask 1), with the policy's log-probs."""
-  active, status = _alive(c, budget, cfg, obs_len)
+  active, status = _alive(c, cfg, obs_len)
   b = active.shape[0]
   a = cfg.max_action_tokens
   n = jnp.minimum(action.length, a - 1)
@@ -199,7 +204,7 @@ def _observe(mcfg: ModelConfig, eot: int, params, c: _Carry, obs: TokenBuffer, i
 
 
 def _start(mcfg: ModelConfig, cfg: RolloutConfig, pad: int, action_len: int, params,
-           obs0: TokenBuffer, key):
+           obs0: TokenBuffer, budget, key):
   b, n0 = obs0.tokens.shape
   cache = decoder.init_cache(mcfg, b, cfg.context_len)
   logits, cache = sampler.prefill(mcfg, params, cache, obs0.tokens, obs0.length)
@@ -216,12 +221,12 @@ def _start(mcfg: ModelConfig, cfg: RolloutConfig, pad: int, action_len: int, par
                  actions=jnp.zeros((b, tm, action_len), jnp.int32), actions_len=zi)
   return _Carry(t=jnp.int32(0), cache=cache, next_logits=logits, buf=buf, rec=rec,
                 done=jnp.zeros((b,), bool), status=jnp.zeros((b,), jnp.int32),
-                num_turns=jnp.zeros((b,), jnp.int32), key=key)
+                num_turns=jnp.zeros((b,), jnp.int32), budget=budget.astype(jnp.int32), key=key)
 
 
-def _finish(cfg: RolloutConfig, pad: int, c: _Carry, budget, task_id, group_id, optimal_turns,
+def _finish(cfg: RolloutConfig, pad: int, c: _Carry, task_id, group_id, optimal_turns,
             obs_len: int) -> Trajectory:
-  _, status = _alive(c, budget, cfg, obs_len)
+  _, status = _alive(c, cfg, obs_len)
   status = jnp.where(status == Status.RUNNING, Status.BUDGET_SPENT, status)
   length = c.cache.length
   b, l = c.buf.tokens.shape
@@ -240,7 +245,7 @@ def _finish(cfg: RolloutConfig, pad: int, c: _Carry, budget, task_id, group_id, 
       action_length=c.rec.action_length, turn_start=c.rec.turn_start,
       action_tokens=c.rec.actions, action_tokens_len=c.rec.actions_len,
       success_turn=jnp.where(jnp.any(c.rec.solved, axis=1), first, tm + 1).astype(jnp.int32),
-      num_turns=c.num_turns, budget=budget.astype(jnp.int32), task_id=task_id.astype(jnp.int32),
+      num_turns=c.num_turns, budget=c.budget, task_id=task_id.astype(jnp.int32),
       group_id=group_id.astype(jnp.int32), status=status.astype(jnp.int32),
       optimal_turns=optimal_turns.astype(jnp.int32))
 
@@ -250,7 +255,8 @@ def _where_tree(pred_b, new, old):
       lambda x, y: jnp.where(pred_b.reshape(pred_b.shape + (1,) * (x.ndim - 1)), x, y), new, old)
 
 
-def make_rollout_fn(mcfg: ModelConfig, env, cfg: RolloutConfig, forced_action=None):
+def make_rollout_fn(mcfg: ModelConfig, env, cfg: RolloutConfig, forced_action=None,
+                    on_trace=None):
   """Compiles the JAX-native rollout for one (model config, environment, static config).
 
   Returns `fn(params, key, tasks, budget[B], task_id[B], group_id[B], sampling) -> Trajectory`
@@ -259,6 +265,7 @@ def make_rollout_fn(mcfg: ModelConfig, env, cfg: RolloutConfig, forced_action=No
   forced_action: optional `(env_state, key) -> TokenBuffer` (one episode; vmapped here) whose
     actions replace sampling (teacher forcing: the oracle, a noisy oracle, replayed prefixes).
     They are recorded as agent tokens with the policy's log-probs at `sampling.temperature`.
+  on_trace: optional `() -> None` called each time the program is traced (a recompile counter).
   """
   _check(env, cfg)
   codec = env.codec
@@ -266,29 +273,30 @@ def make_rollout_fn(mcfg: ModelConfig, env, cfg: RolloutConfig, forced_action=No
   obs_len, action_len = step_obs_len(env), env.max_action_len
 
   def run(params, key, tasks, budget, task_id, group_id, sc):
+    if on_trace is not None:
+      on_trace()
     b = budget.shape[0]
     k_reset, k_run = jax.random.split(key)
     reset_budget = budget if cfg.budget_visible else jnp.full_like(budget, -1)
     state, obs0 = jax.vmap(env.reset)(jax.random.split(k_reset, b), tasks, reset_budget)
-    c = _start(mcfg, cfg, pad, action_len, params, obs0, k_run)
+    c = _start(mcfg, cfg, pad, action_len, params, obs0, budget, k_run)
     optimal = jnp.zeros((b,), jnp.int32)
 
     def cond(x):
       c, _, _ = x
-      active, _ = _alive(c, budget, cfg, obs_len)
+      active, _ = _alive(c, cfg, obs_len)
       return (c.t < cfg.max_turns) & jnp.any(active)
 
     def body(x):
       c, state, optimal = x
       start = c.cache.length
       if forced_action is None:
-        c, action, active, stopped = _act(mcfg, cfg, eot, pad, action_len, params, c, budget, sc,
-                                          obs_len)
+        c, action, active, stopped = _act(mcfg, cfg, eot, pad, action_len, params, c, sc, obs_len)
       else:
         key, sub = jax.random.split(c.key)
         given = jax.vmap(forced_action)(state, jax.random.split(sub, b))
         c, action, active, stopped = _act_forced(mcfg, cfg, eot, pad, action_len, params,
-                                                 c.replace(key=key), budget, given, obs_len,
+                                                 c.replace(key=key), given, obs_len,
                                                  sc.temperature)
       c = _record_action(c, action, active, start)
       new_state, obs, info = jax.vmap(env.step)(state, action)
@@ -298,7 +306,7 @@ def make_rollout_fn(mcfg: ModelConfig, env, cfg: RolloutConfig, forced_action=No
       return _observe(mcfg, eot, params, c, obs, info, active, stopped), state, optimal
 
     c, _, optimal = jax.lax.while_loop(cond, body, (c, state, optimal))
-    return _finish(cfg, pad, c, budget, task_id, group_id, optimal, obs_len)
+    return _finish(cfg, pad, c, task_id, group_id, optimal, obs_len)
 
   return jax.jit(run)
 
@@ -336,29 +344,29 @@ class HostRollout:
     obs_len = self.obs_len = step_obs_len(env)
     self._start = jax.jit(functools.partial(_start, mcfg, cfg, pad, env.max_action_len))
 
-    def act(params, c, budget, sc):
+    def act(params, c, sc):
       start = c.cache.length
-      c, action, active, stopped = _act(mcfg, cfg, eot, pad, env.max_action_len, params, c,
-                                        budget, sc, obs_len)
+      c, action, active, stopped = _act(mcfg, cfg, eot, pad, env.max_action_len, params, c, sc,
+                                        obs_len)
       return _record_action(c, action, active, start), action, active, stopped
 
     self._act = jax.jit(act)
     self._observe = jax.jit(functools.partial(_observe, mcfg, eot))
-    self._alive = jax.jit(lambda c, budget: _alive(c, budget, cfg, obs_len)[0])
-    self._finish = jax.jit(lambda c, budget, task_id, group_id, optimal: _finish(
-        cfg, pad, c, budget, task_id, group_id, optimal, obs_len))
+    self._alive = jax.jit(lambda c: _alive(c, cfg, obs_len)[0])
+    self._finish = jax.jit(lambda c, task_id, group_id, optimal: _finish(
+        cfg, pad, c, task_id, group_id, optimal, obs_len))
 
   def __call__(self, params, key, tasks, budget, task_id, group_id, sc) -> Trajectory:
     b = budget.shape[0]
     _, k_run = jax.random.split(key)     # same key use as the JAX path (k_reset unused here)
     reset_budget = np.asarray(budget) if self.cfg.budget_visible else np.full((b,), -1, np.int32)
     state, obs0 = self.env.reset(jax.tree.map(np.asarray, tasks), reset_budget)
-    c = self._start(params, _device(obs0), k_run)
+    c = self._start(params, _device(obs0), jnp.asarray(budget), k_run)
     optimal = np.zeros((b,), np.int32)
     for t in range(self.cfg.max_turns):
-      if not bool(jnp.any(self._alive(c, budget))):
+      if not bool(jnp.any(self._alive(c))):
         break
-      c, action, active, stopped = self._act(params, c, budget, sc)
+      c, action, active, stopped = self._act(params, c, sc)
       # Rows that are not active never act again, so stepping them too is harmless (their
       # records are masked by `active`).
       state, obs, info = self.env.step(state, jax.tree.map(np.asarray, action))
@@ -366,7 +374,7 @@ class HostRollout:
         optimal = np.asarray(info.optimal_turns)
       obs = obs.replace(tokens=np.asarray(obs.tokens)[:, :self.obs_len])
       c = self._observe(params, c, _device(obs), _device(info), active, stopped)
-    return self._finish(c, budget, task_id, group_id, jnp.asarray(optimal))
+    return self._finish(c, task_id, group_id, jnp.asarray(optimal))
 
 
 def _device(tree):

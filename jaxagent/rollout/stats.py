@@ -1,6 +1,6 @@
 """Episode statistics computed from `Trajectory` tensors, vectorised (no loop over episodes).
 
-Definitions (STUDY.md): an *error state* is a turn t >= 1 taken right after an acted turn whose
+Definitions (docs/STUDY.md): an *error state* is a turn t >= 1 taken right after an acted turn whose
 action failed (error_kind != NONE: parse error, unknown tool, bad arguments, tool failure,
 precondition failed). The *recovery rate* is the fraction of error states whose action is a valid
 call; the strict version requires the action to equal the oracle's.

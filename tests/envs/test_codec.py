@@ -135,7 +135,12 @@ def test_registry(builtin_tokenizer):
   with pytest.raises(ValueError, match="unknown environment"):
     envs.make("nope", builtin_tokenizer)
   env = envs.make("lookup", builtin_tokenizer, hops=1)
-  assert env.codec is codec_for(builtin_tokenizer)              # one codec per tokenizer
+  assert env.codec.tokenizer is builtin_tokenizer               # the tokenizer's own codec
+  fresh = codec_for(builtin_tokenizer)                          # built anew, not cached
+  np.testing.assert_array_equal(env.codec.token_bytes, fresh.token_bytes)
+  np.testing.assert_array_equal(env.codec.token_nbytes, fresh.token_nbytes)
+  assert (env.codec.end_of_turn_id, env.codec.pad_id) == (fresh.end_of_turn_id, fresh.pad_id)
+  assert codec_for(env.codec) is env.codec                      # a codec passes through
   assert envs.make("arithmetic", env.codec).codec is env.codec  # a codec is accepted too
   with pytest.raises(TypeError):
     envs.make("lookup", builtin_tokenizer, no_such_knob=1)

@@ -10,6 +10,7 @@ import jaxagent.envs as envs
 from jaxagent.envs.base import ErrorKind, TokenBuffer
 from jaxagent.envs.lookup import ENTITY_NAMES, RELATION_NAMES
 from jaxagent.eval import recovery
+from jaxagent.rollout.replay import make_replay_fn
 from jaxagent.rollout.trajectory import Trajectory
 
 K = ErrorKind
@@ -146,7 +147,7 @@ def test_controlled_error_states_replay_hand_actions(env):
                                                   [0, 0, K.UNKNOWN_TOOL, 0]])
   np.testing.assert_array_equal(traj.oracle_match, [[0, 1, 0, 0], [1, 1, 0, 1]])
   tasks = jax.tree.map(lambda x: jnp.stack([x, x]), task)
-  errs = recovery.controlled_error_states(env, tasks, traj, budget_visible=False)
+  errs = recovery.controlled_error_states(make_replay_fn(env, False), tasks, traj)
   np.testing.assert_array_equal(errs.row, [0, 0, 1])
   np.testing.assert_array_equal(errs.turn, [1, 3, 3])
   np.testing.assert_array_equal(errs.prev_error_kind, [K.PARSE_ERROR, K.BAD_ARGUMENTS,
@@ -182,10 +183,9 @@ def test_subset_is_seeded_and_ordered(env):
   task = env.sample_task(jax.random.key(4))
   traj = _hand_episodes(env, task, [["x", "y", "z", "w"]] * 2)     # every turn a parse error
   tasks = jax.tree.map(lambda x: jnp.stack([x, x]), task)
-  a = recovery.controlled_error_states(env, tasks, traj, budget_visible=False, max_states=4,
-                                       seed=1)
-  b = recovery.controlled_error_states(env, tasks, traj, budget_visible=False, max_states=4,
-                                       seed=1)
+  replay_fn = make_replay_fn(env, False)
+  a = recovery.controlled_error_states(replay_fn, tasks, traj, max_states=4, seed=1)
+  b = recovery.controlled_error_states(replay_fn, tasks, traj, max_states=4, seed=1)
   assert len(a) == 4
   np.testing.assert_array_equal(a.row * 10 + a.turn, b.row * 10 + b.turn)
   assert np.all(np.diff(a.row * 10 + a.turn) > 0)

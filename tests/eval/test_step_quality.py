@@ -10,7 +10,7 @@ import pytest
 import jaxagent.envs as envs
 from jaxagent.eval import step_quality
 from jaxagent.models import from_pretrained
-from jaxagent.rollout import rollout
+from jaxagent.rollout import replay, rollout
 
 ACTION_TOKENS, MAX_TURNS = 8, 3
 
@@ -51,11 +51,11 @@ def setup():
 
 def test_greedy_next_action_reproduces_greedy_rollout(setup):
   policy, env, rows, traj = setup
-  refs = step_quality.reference_states(env, rows, traj, traj.acted, source="rollout",
-                                       budget_visible=False, row_batch=4)
+  refs = step_quality.reference_states(replay.make_replay_fn(env, False), rows, traj,
+                                       traj.acted, source="rollout", row_batch=4)
   assert len(refs) == int(np.asarray(traj.acted).sum()) > 0
   np.testing.assert_array_equal(np.asarray(refs.env_state.turn), refs.turn)
-  fn = step_quality.make_next_action_fn(policy.config, env, ACTION_TOKENS)
+  fn = replay.make_next_action_fn(policy.config, env, ACTION_TOKENS)
   got = step_quality.next_actions(fn, policy.params, refs, jax.random.key(0), 0.0, batch_size=4)
   r, t = refs.row, refs.turn
   np.testing.assert_array_equal(got["length"], traj.action_tokens_len[r, t])
@@ -76,8 +76,9 @@ def test_greedy_next_action_reproduces_greedy_rollout(setup):
 
 def test_replay_budget_visibility(setup):
   _, env, rows, traj = setup
-  hidden = step_quality.replay_env_states(env, rows, traj, budget_visible=False)
-  shown = step_quality.replay_env_states(env, rows, traj, budget_visible=True, row_batch=4)
+  hidden = step_quality.replay_env_states(replay.make_replay_fn(env, False), rows, traj)
+  shown = step_quality.replay_env_states(replay.make_replay_fn(env, True), rows, traj,
+                                         row_batch=4)
   assert np.all(np.asarray(hidden.budget) == -1)
   np.testing.assert_array_equal(np.asarray(shown.budget),
                                 np.repeat(traj.budget[:, None], MAX_TURNS, axis=1))

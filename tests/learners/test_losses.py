@@ -11,11 +11,17 @@ import pytest
 from jaxagent.learners import aggregate, policy_loss
 from jaxagent.learners import losses as loss_lib
 from jaxagent.models import decoder
-from jaxagent.rollout.scoring import token_logprobs, token_logprobs_and_entropy
+from jaxagent.models.scoring import token_logprobs, token_logprobs_and_entropy
+
+
+# The knobs policy_loss requires, neutral (no KL, no entropy bonus) unless a test sets them.
+KNOBS = dict(clip_eps_low=0.2, clip_eps_high=0.2, kl_coef=0.0, kl_estimator="k3",
+             entropy_coef=0.0)
 
 
 def _loss(**kw):
-  return jax.jit(policy_loss, static_argnames=("loss", "aggregation", "kl_estimator"))(**kw)
+  return jax.jit(policy_loss, static_argnames=("loss", "aggregation", "kl_estimator"))(
+      **{**KNOBS, **kw})
 
 
 def test_ppo_clip_boundary_gradients():
@@ -28,7 +34,7 @@ def test_ppo_clip_boundary_gradients():
 
   def grads(a):
     f = lambda lp: policy_loss(lp, old, jnp.array([a], jnp.float32), mask, loss="ppo_clip",
-                               aggregation="token", clip_eps_low=0.2, clip_eps_high=0.28)[0]
+                               aggregation="token", **{**KNOBS, "clip_eps_high": 0.28})[0]
     return np.asarray(jax.jit(jax.grad(f))(jnp.asarray(logp)))[0]
 
   # l = -min(rho A, clip(rho) A) / 4 tokens; unclipped: dl/dlogp = -A rho / 4; clipped: 0.
@@ -58,7 +64,7 @@ def test_reinforce_loss_and_gradient():
   # -A * mean(logp over the 2 agent tokens) = -2 * (log .5 + log .25) / 2 = 3 log 2
   np.testing.assert_allclose(loss, 3 * np.log(2), rtol=1e-6)
   g = jax.grad(lambda lp: policy_loss(lp, jnp.zeros_like(lp), jnp.float32([2.0]), mask,
-                                      loss="reinforce", aggregation="token")[0])(logp)
+                                      loss="reinforce", aggregation="token", **KNOBS)[0])(logp)
   np.testing.assert_allclose(g, [[-1.0, -1.0, 0.0]])
   assert float(m["clip_fraction"]) == 0.0
 
@@ -79,8 +85,8 @@ def test_kl_k1_k3_by_hand():
   np.testing.assert_allclose(loss, 0.5 * (0.5 + np.log(2) - 1) / 2, rtol=1e-6)
   # gradient of k3 wrt logp: 1 - exp(ref - logp) = 1 - 0.5 on token 0
   g = jax.grad(lambda lp: policy_loss(lp, logp, jnp.float32([0.0]), mask, loss="ppo_clip",
-                                      aggregation="token", ref_logp=ref, kl_coef=1.0,
-                                      kl_estimator="k3")[0])(jnp.asarray(logp))
+                                      aggregation="token", ref_logp=ref,
+                                      **{**KNOBS, "kl_coef": 1.0})[0])(jnp.asarray(logp))
   np.testing.assert_allclose(g, [[0.5 / 2, 0.0]], atol=1e-6)
 
 
@@ -116,12 +122,13 @@ def test_token_vs_sequence_aggregation_by_hand():
 def test_unknown_names():
   z = np.zeros((1, 2), np.float32)
   with pytest.raises(ValueError, match="unknown policy loss 'ppo'.*ppo_clip, reinforce"):
-    policy_loss(z, z, np.zeros(1, np.float32), z, loss="ppo", aggregation="token")
+    policy_loss(z, z, np.zeros(1, np.float32), z, loss="ppo", aggregation="token", **KNOBS)
   with pytest.raises(ValueError, match="unknown KL estimator 'k2'.*k1, k3"):
     policy_loss(z, z, np.zeros(1, np.float32), z, loss="reinforce", aggregation="token",
-                ref_logp=z, kl_estimator="k2")
+                ref_logp=z, **{**KNOBS, "kl_estimator": "k2"})
   with pytest.raises(ValueError, match="unknown aggregation 'episode'.*token, sequence"):
-    policy_loss(z, z, np.zeros(1, np.float32), z, loss="reinforce", aggregation="episode")
+    policy_loss(z, z, np.zeros(1, np.float32), z, loss="reinforce", aggregation="episode",
+                **KNOBS)
   with pytest.raises(ValueError, match="already registered"):
     loss_lib.register_policy_loss("reinforce")(loss_lib.reinforce_loss)
 

@@ -10,7 +10,7 @@ import jaxagent.envs as envs
 from jaxagent.learners import LearnerConfig, init_train_state, make_update_fn
 from jaxagent.models import from_pretrained
 from jaxagent.rollout import rollout
-from jaxagent.rollout.budget import parse_budget
+from jaxagent.rollout.budget import Budget
 
 NUM_TASKS, GROUP, STEPS = 4, 2, 3
 
@@ -19,7 +19,7 @@ NUM_TASKS, GROUP, STEPS = 4, 2, 3
 def test_rl_steps_end_to_end():
   policy = from_pretrained("builtin:tiny")
   env = envs.make("lookup", policy.tokenizer, hops=1)
-  sampler = parse_budget("mix:1,2", per="group")
+  sampler = Budget.parse("mix:1,2", per="group")
   # entropy_coef > 0: a nonzero gradient even if every group's rewards happen to tie.
   cfg = LearnerConfig(minibatches=2, kl_coef=0.01, entropy_coef=0.01, learning_rate=1e-3,
                       clip_eps_high=0.28, invalid_call_penalty=0.1)
@@ -33,7 +33,7 @@ def test_rl_steps_end_to_end():
     k_budget, k_roll = jax.random.split(jax.random.fold_in(key, step))
     budgets = np.asarray(sampler.sample(step, k_budget, NUM_TASKS))                # [tasks]
     traj = rollout(policy, env, k_roll, NUM_TASKS, GROUP, budgets,
-                   max_turns=sampler.max_budget, max_action_tokens=12, params=state.params)
+                   max_turns=sampler.max_turns, max_action_tokens=12, params=state.params)
     np.testing.assert_array_equal(traj.budget, np.repeat(budgets, GROUP))
     assert np.all(np.asarray(traj.num_turns) <= np.asarray(traj.budget))
     state, metrics = update(state, traj, ref_params)

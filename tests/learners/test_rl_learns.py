@@ -1,4 +1,4 @@
-"""RL raises a weak policy's success: the training loop (`trainer.run`) makes a weak base by a
+"""RL raises a weak policy's success: the training loop (`train.run`) makes a weak base by a
 short SFT on noisy-oracle demonstrations of a small grid, then runs a few dozen steps of
 multi-turn RL from it; both checkpoints are evaluated on the same 512 episodes (128 random tasks x
 4 samples, one seed). A 3x3 map without walls has only ~50 distinct tasks, so the splits hold most
@@ -16,7 +16,8 @@ import pytest
 
 from configs.default import get_config
 from jaxagent.checkpoint import Checkpointer
-from jaxagent.learners import trainer
+from jaxagent import train
+from jaxagent.runs import layout, setup
 from jaxagent.rollout import rollout
 from jaxagent.rollout.stats import trajectory_stats
 
@@ -55,11 +56,11 @@ def _phase_params(workdir, phase, abstract):
 @pytest.mark.slow
 def test_rl_raises_a_weak_policys_success(tmp_path):
   config = _config(tmp_path / "data")
-  trainer.run(config, tmp_path / "run")
+  train.run(config, tmp_path / "run")
 
-  policy = trainer.load_policy(config)
-  env = trainer.make_env(config, policy.tokenizer)
-  abstract = trainer._abstract(policy.params)
+  policy = setup.load_policy(config)
+  env = setup.make_env(config, policy.tokenizer)
+  abstract = layout.abstract_params(policy.params)
 
   def evaluate(params):
     traj = rollout(policy, env, jax.random.key(123), 128, EVAL_SAMPLES, BUDGET,

@@ -16,7 +16,7 @@ from jaxagent.learners import update as update_lib
 from jaxagent.learners.update import (LearnerConfig, current_learning_rate, init_train_state,
                                       make_optimizer, make_update_fn)
 from jaxagent.models import decoder
-from jaxagent.rollout.scoring import token_logprobs
+from jaxagent.models.scoring import token_logprobs
 
 B, L, T = 8, 16, 2
 METRICS = {"pg_loss", "kl", "entropy", "clip_fraction", "approx_kl", "ratio_mean", "loss",
@@ -233,13 +233,17 @@ def test_lr_schedules_by_hand():
   np.testing.assert_allclose([cos(t) for t in (0, 1, 2, 4, 6, 50)], [1, 2, 2, 1.1, 0.2, 0.2],
                              rtol=1e-6)
   with pytest.raises(ValueError, match="total_steps > warmup_steps"):
-    make_optimizer(1.0, schedule="cosine", warmup_steps=5, total_steps=5)
+    make_optimizer(learning_rate=1.0, schedule="cosine", warmup_steps=5, total_steps=5,
+                   end_lr_ratio=0.0, weight_decay=0.0, max_grad_norm=1.0, b1=0.9, b2=0.999,
+                   eps=1e-8)
 
 
 def test_optimizer_weight_decay_mask_and_clipping():
   params = {"layers": {"q_proj": jnp.ones((2, 2)), "q_bias": jnp.ones((2,)),
                        "attn_norm": jnp.ones((2,))}, "embed": jnp.ones((3, 2))}
-  opt = make_optimizer(0.1, weight_decay=0.5, max_grad_norm=1.0)
+  opt = make_optimizer(learning_rate=0.1, schedule="constant", warmup_steps=0, total_steps=0,
+                       end_lr_ratio=0.0, weight_decay=0.5, max_grad_norm=1.0, b1=0.9, b2=0.999,
+                       eps=1e-8)
   state = opt.init(params)
   zeros = jax.tree.map(jnp.zeros_like, params)
   updates, state = jax.jit(opt.update)(zeros, state, params)

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from configs import default, hf
-from jaxagent.learners import trainer
+from jaxagent import train
+from jaxagent.runs import layout, setup
 
 # A variant of configs/hf.py per family of tests/models/conftest.py. Qwen2 is also the built-in
 # model's family, which every trainer test trains.
@@ -45,17 +46,17 @@ def _smoke_sized(variant, model_path, data_dir):
 def test_sft_then_rl_from_a_hf_directory(family, hf_checkpoint, tmp_path):
   ckpt = hf_checkpoint(family)
   config = _smoke_sized(VARIANT[family], ckpt.path, tmp_path / "data")
-  trainer.run(config, tmp_path / "run")
+  train.run(config, tmp_path / "run")
 
   lines = [json.loads(l) for l in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
   phases = [(l["phase"], l["step"]) for l in lines]
   assert phases == [("sft", 1), ("sft", 2), ("rl", 1)], phases
   assert all(np.isfinite(l["loss"]) for l in lines)
 
-  policy = trainer.load_policy(config)
+  policy = setup.load_policy(config)
   assert policy.config.model_type == MODEL_TYPE[family]
   leaves = jax.tree.leaves(policy.params)
   assert {x.dtype for x in leaves} == {jnp.dtype(jnp.bfloat16)}
-  trained, _, _ = trainer.latest_params(tmp_path / "run", trainer._abstract(policy.params))
+  trained, _, _ = layout.latest_params(tmp_path / "run", layout.abstract_params(policy.params))
   moved = jax.tree.map(lambda a, b: bool(jnp.any(a != b)), policy.params, trained)
   assert all(jax.tree.leaves(moved)), "every tensor of the checkpoint should be trained"

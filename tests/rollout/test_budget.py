@@ -6,8 +6,9 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from jaxagent.rollout.budget import (BudgetSampler, BudgetSpecError, budget_distribution,
-                                     parse_budget)
+from jaxagent.rollout.budget import Budget, BudgetSpecError, budget_distribution
+
+parse_budget = Budget.parse
 
 
 @pytest.mark.parametrize("spec, kind, budgets, probs, steps", [
@@ -24,7 +25,7 @@ def test_parse(spec, kind, budgets, probs, steps):
   s = parse_budget(spec)
   assert (s.kind, s.budgets, s.steps, s.per, s.spec) == (kind, budgets, steps, "batch", spec)
   np.testing.assert_allclose(s.probs, probs)
-  assert s.max_budget == max(budgets)
+  assert s.max_turns == max(budgets)
   hash(s)                                     # a static jit argument
   assert parse_budget(spec, per="group").per == "group"
 
@@ -91,7 +92,7 @@ def test_per_batch_shares_one_budget_per_group_draws_independently():
 
 def test_schedule_is_piecewise_constant_over_steps():
   s = parse_budget("schedule:0=2,100=8,200=3", per="group")
-  assert s.max_budget == 8
+  assert s.max_turns == 8
   steps = np.array([0, 1, 99, 100, 150, 199, 200, 10_000])
   fn = jax.jit(s.sample, static_argnums=2)
   got = [np.asarray(fn(t, jax.random.key(t), 2)) for t in steps]
@@ -108,4 +109,4 @@ def test_fixed_and_deterministic_given_step_and_key():
   np.testing.assert_array_equal(a, s.sample(3, jax.random.key(1), 16))
   assert not np.array_equal(a, s.sample(4, jax.random.key(1), 16))   # P(equal) = 8^-16
   assert not np.array_equal(a, s.sample(3, jax.random.key(2), 16))
-  assert isinstance(s, BudgetSampler)
+  assert isinstance(s, Budget)

@@ -7,10 +7,11 @@ import pytest
 
 import jaxagent.envs as envs
 from jaxagent.models import from_pretrained
-from jaxagent.rollout import RolloutConfig, Status, make_rollout_fn, rollout, score
+from jaxagent.models.scoring import score
+from jaxagent.rollout import RolloutConfig, Rollouts, Status, make_rollout_fn, rollout
+from jaxagent.envs.base import TokenBuffer
 from jaxagent.rollout.engine import step_obs_len
-from jaxagent.rollout.sampler import SamplingConfig
-from jaxagent.rollout.api import _COMPILED
+from jaxagent.models.sampler import SamplingConfig
 
 NUM_TASKS, GROUP = 4, 2
 
@@ -121,8 +122,10 @@ def test_sampled_transcript_masks_and_logprobs(policy, env):
 
 
 def test_budgets_per_row_and_no_recompilation(policy, env):
+  rollouts = Rollouts(policy.config, env)
   budgets = np.array([1, 3, 0, 5] * 2, np.int32)
-  traj = rollout(policy, env, jax.random.key(4), NUM_TASKS, GROUP, budgets=budgets, max_turns=5)
+  traj = rollouts(policy.params, jax.random.key(4), NUM_TASKS, GROUP, budgets=budgets,
+                  max_turns=5)
   num = np.asarray(traj.num_turns)
   assert np.all(num <= budgets)
   acted = np.asarray(traj.acted)
@@ -131,16 +134,34 @@ def test_budgets_per_row_and_no_recompilation(policy, env):
   assert np.all(status[num == budgets] != Status.RUNNING)
   assert np.all((status == Status.BUDGET_SPENT) <= (num == budgets))
   assert num[2] == 0 and num[6] == 0          # budget 0: no turn at all
-  fns = [fn for k, fn in _COMPILED.items() if k[1] == id(env) and k[2].max_turns == 5
-         and k[3] is None]
-  assert len(fns) == 1
-  size = fns[0]._cache_size()
-  # New budgets, new tasks, new key, new sampling knobs: same compiled program.
-  rollout(policy, env, jax.random.key(5), NUM_TASKS, GROUP, budgets=budgets[::-1].copy(),
-          max_turns=5, temperature=0.7, top_k=5)
+  assert (rollouts.compiles, rollouts.traces) == (1, 1)
+  # New budgets, new tasks, new key, new sampling knobs: same compiled program, no new trace.
+  rollouts(policy.params, jax.random.key(5), NUM_TASKS, GROUP, budgets=budgets[::-1].copy(),
+           max_turns=5, temperature=0.7, top_k=5)
   tasks = jax.vmap(env.sample_task)(jax.random.split(jax.random.key(9), NUM_TASKS))
-  rollout(policy, env, jax.random.key(6), tasks, GROUP, budgets=[2, 2, 5, 1], max_turns=5)
-  assert fns[0]._cache_size() == size == 1
+  rollouts(policy.params, jax.random.key(6), tasks, GROUP, budgets=[2, 2, 5, 1], max_turns=5)
+  assert (rollouts.compiles, rollouts.traces) == (1, 1)
+  # Another T_max is another program.
+  rollouts(policy.params, jax.random.key(6), tasks, GROUP, budgets=2, max_turns=2)
+  assert (rollouts.compiles, rollouts.traces) == (2, 2)
+
+
+@pytest.mark.parametrize("visible", [False, True])
+def test_a_spent_budget_is_budget_spent_visible_or_not(policy, env, visible):
+  """The engine alone ends an episode whose budget is spent: an agent that never answers
+  (forced "nope()", an unknown tool) stops at its budget with BUDGET_SPENT, whether the budget
+  is shown to it or not (the environment only shows it)."""
+  ids = env.codec.encode("nope()")
+  nope = TokenBuffer(tokens=jnp.asarray(np.pad(ids, (0, env.max_action_len - len(ids))),
+                                        jnp.int32), length=jnp.int32(len(ids)))
+  budgets = np.array([1, 2, 3, 4], np.int32)
+  traj = Rollouts(policy.config, env)(
+      policy.params, jax.random.key(4), NUM_TASKS, GROUP, budgets=budgets, max_turns=4,
+      budget_visible=visible, forced_action=lambda state, key: nope)
+  num, status = np.asarray(traj.num_turns), np.asarray(traj.status)
+  np.testing.assert_array_equal(num, np.repeat(budgets, GROUP))
+  assert np.all(status == Status.BUDGET_SPENT), status
+  assert not np.asarray(traj.valid_call).any()
 
 
 def test_context_full_stops_rows(policy, env):

@@ -13,7 +13,6 @@ import numpy as np
 import pytest
 
 import jaxagent.envs as envs
-from jaxagent.learners import trainer
 from jaxagent.learners.update import LearnerConfig, init_train_state, make_update_fn
 from jaxagent.models import from_pretrained
 from jaxagent.rollout import rollout
@@ -88,8 +87,8 @@ def test_update_on_mesh_equals_single_device(policies, rollouts):
   mesh = sharded.mesh
   traj_m = place_batch(mesh, traj, b)
   assert _shard_rows(traj_m.tokens) == {b // 4}
-  state_m = trainer.new_train_state(sharded, jax.tree.map(jnp.copy, sharded.params), optimizer,
-                                    jax.random.key(0))
+  state_m = init_train_state(jax.tree.map(jnp.copy, sharded.params), optimizer,
+                             jax.random.key(0), mesh=sharded.mesh)
   state_m, m_m = update(state_m, traj_m, sharded.params)
 
   # The parameters keep their shardings, moved by the update, to the same values.

@@ -17,14 +17,15 @@ import numpy as np
 import pytest
 
 import jaxagent.envs as envs
-from jaxagent.learners import trainer
-from jaxagent.learners.update import LearnerConfig, make_update_fn
+from jaxagent.learners.update import LearnerConfig, init_train_state, make_update_fn
 from jaxagent.models import Policy, from_pretrained, init_sharded
 from jaxagent.models.config import ModelConfig
+from jaxagent.models import sampler
 from jaxagent.models.policy import param_shardings
-from jaxagent.rollout import api, engine, sampler
+from jaxagent.planning import memory
+from jaxagent.rollout import api, engine
 from jaxagent.rollout.trajectory import Trajectory
-from jaxagent.sharding import batch_sharding, make_mesh, memory
+from jaxagent.sharding import batch_sharding, make_mesh
 from jaxagent.sharding.mesh import mesh_context
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -59,11 +60,12 @@ def _start_cache(policy, env, mesh, tasks_n, group, cfg):
   tasks, _, _, _ = api.build_batch(env, jax.random.key(0), tasks_n, group)
   b = tasks_n * group
   tasks = api.place_batch(mesh, tasks, b)
+  budget = api.place_batch(mesh, np.full((b,), cfg.max_turns, np.int32), b)
   with mesh_context(mesh):
     _, obs0 = jax.jit(jax.vmap(env.reset))(jax.random.split(jax.random.key(1), b), tasks,
                                            api.place_batch(mesh, np.full((b,), -1, np.int32), b))
     start = jax.jit(functools.partial(engine._start, policy.config, cfg, 0, env.max_action_len))
-    return start(policy.params, obs0, jax.random.key(2)).cache
+    return start(policy.params, obs0, budget, jax.random.key(2)).cache
 
 
 @pytest.mark.parametrize("name, shape, tasks_n, group", [
@@ -83,7 +85,7 @@ def test_plan_equals_sharded_arrays(name, shape, tasks_n, group, builtin_tokeniz
 
   # Parameters as loaded / initialised onto the mesh, the trainer's train state.
   optimizer = LearnerConfig().make_optimizer()
-  state = trainer.new_train_state(policy, policy.params, optimizer, jax.random.key(0))
+  state = init_train_state(policy.params, optimizer, jax.random.key(0), mesh=policy.mesh)
   assert p.params == _bytes_on_device0(policy.params)
   assert p.optimizer_state == _bytes_on_device0(state.opt_state)
   assert p.gradients == p.params
@@ -124,7 +126,7 @@ def test_update_activations_close_to_compiled_memory(shape):
   mesh = make_mesh(shape, devices=jax.devices()[:int(np.prod(shape))])
   params = init_sharded(cfg, 0, param_shardings(cfg, mesh))
   policy = Policy(config=cfg, params=params, tokenizer=None, mesh=mesh)
-  state = trainer.new_train_state(policy, params, optimizer, jax.random.key(0))
+  state = init_train_state(params, optimizer, jax.random.key(0), mesh=policy.mesh)
   traj = _random_trajectory(np.random.default_rng(0), b, seq, cfg.vocab_size)
   traj = jax.tree.map(lambda x: jax.device_put(x, batch_sharding(mesh, x.ndim, b)), traj)
   analysis = update.lower(state, traj, None).compile().memory_analysis()
@@ -288,12 +290,12 @@ def test_device_memory_bytes():
 
 def test_plan_for_smoke_config():
   from configs.default import get_config
-  from jaxagent.rollout import budget as budget_lib
+  from jaxagent.rollout.budget import Budget
   config = get_config("smoke")
   p = memory.plan_for_config(config, 8)
   env = envs.make(config.env.name, from_pretrained("builtin:micro").tokenizer,
                   **dict(config.env.difficulty))
-  turns = budget_lib.parse_budget(config.rl.budget).max_budget
+  turns = Budget.parse(config.rl.budget).max_turns
   assert p.seq_len == api.default_context_len(env, turns, env.max_action_len)
   assert p.prefill_len == env.max_obs_len
   assert p.mesh_shape == {"data": 1, "fsdp": 8, "tensor": 1}

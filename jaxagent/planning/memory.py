@@ -1,6 +1,6 @@
 """Memory planner: bytes per device of one RL step (rollout, then update) for a model and a mesh.
 
-    from jaxagent.sharding import memory
+    from jaxagent.planning import memory
     p = memory.plan(model_cfg, {"data": 1, "fsdp": 8, "tensor": 1}, batch_per_device=16,
                     seq_len=2048, param_dtype="bfloat16", compute_dtype="bfloat16")
     print(p.table()); memory.check_fits(p, memory.device_memory_bytes())
@@ -10,9 +10,13 @@ Every per-device size is derived from the project's own sharding rules: each arr
 logical axes, `logical_to_spec` picks the mesh axes (dropping an axis that does not divide the
 dimension, as the real placement does), and the per-device element count is the global count
 divided by the product of the chosen axis sizes. Parameters and optimizer state use the decoder's
-own parameter tree (`decoder.abstract_params` / `logical_axes`) and `make_optimizer().init`
+own parameter tree (`decoder.abstract_params` / `logical_axes`) and `make_optimizer(...).init`
 (abstractly), so they match the arrays the trainer creates byte for byte (tests check this on 8
 fake devices, together with the rollout's KV cache).
+
+A planning module sits above what it measures: it imports the models, learners, rollout and
+sharding code it accounts for, and nothing in the library imports it (launch scripts and tests
+do).
 
 Notation (all per device unless "global"): c = compute-dtype bytes, p = param-dtype bytes;
 G = global episodes per RL step, M = G / minibatches episodes per optimizer step, S = context
@@ -64,7 +68,7 @@ total = persistent + max(rollout, update, reference pass).
 
 This is an estimate of live buffers, not of XLA's allocator: fusion, layout padding and
 fragmentation move the real peak; leave headroom. Checked against XLA's compiled memory analysis
-on CPU (tests/sharding/test_memory.py, float32, 1 device and meshes 1x8x1, 2x2x2): the update
+on CPU (tests/planning/test_memory.py, float32, 1 device and meshes 1x8x1, 2x2x2): the update
 within ~10% and the rollout within ~30%. Not measured on GPU/TPU, nor in bfloat16 (XLA on CPU
 computes bfloat16 in float32). Not covered: the SFT phase (`sft.batch_size` x
 `data.demo_max_len`) and evaluation rollouts (`eval.*` batch sizes).
@@ -80,8 +84,14 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import AbstractMesh
 
-from jaxagent.models import decoder
+import jaxagent.envs as envs
+from jaxagent.learners.update import LearnerConfig, make_optimizer
+from jaxagent.models import decoder, hf_io
 from jaxagent.models.config import ModelConfig
+from jaxagent.models.policy import resolve_path
+from jaxagent.models.sampler import PREFILL_CHUNK
+from jaxagent.rollout.api import default_context_len
+from jaxagent.rollout.budget import Budget
 from jaxagent.sharding.mesh import MESH_AXES, logical_to_spec, mesh_sizes
 
 GIB = 1 << 30
@@ -142,14 +152,17 @@ def param_bytes(cfg: ModelConfig, mesh) -> int:
 
 
 def optimizer_bytes(cfg: ModelConfig, mesh, optimizer: str = "adamw") -> int:
-  """Per-device bytes of the optimizer state `make_optimizer().init(params)` builds: every leaf
-  whose key path ends in a parameter's path is sharded like that parameter; the rest (step
-  counters, the injected learning rate) are replicated scalars."""
+  """Per-device bytes of the optimizer state `make_optimizer(...).init(params)` builds: every
+  leaf whose key path ends in a parameter's path is sharded like that parameter; the rest (step
+  counters, the injected learning rate) are replicated scalars. The state's shapes do not depend
+  on the optimizer's hyperparameters (schedule, clipping, decay only change values)."""
   if optimizer == "none":
     return 0
-  from jaxagent.learners.update import make_optimizer   # learners import models; import late
   _, shapes = decoder.abstract_params(cfg)
-  state = jax.eval_shape(make_optimizer(1e-5).init, shapes)
+  adamw = make_optimizer(learning_rate=1e-5, schedule="constant", warmup_steps=0, total_steps=0,
+                         end_lr_ratio=0.0, weight_decay=0.0, max_grad_norm=1.0, b1=0.9,
+                         b2=0.999, eps=1e-8)
+  state = jax.eval_shape(adamw.init, shapes)
   lookup = _param_axes_lookup(cfg)
 
   def axes_of(path, leaf):
@@ -371,11 +384,10 @@ def plan(model_cfg: ModelConfig, mesh_shape: Mapping[str, int], *, param_dtype: 
   kv = kv_cache_bytes(cfg, mesh, g, seq_len)
   rollout_buffers = _ROLLOUT_BUFFER_BYTES * tok_g
   c = cfg.jnp_dtype.itemsize
-  from jaxagent.rollout.sampler import PREFILL_CHUNK   # rollout imports sharding: not at the top
   chunk = min(p_len, PREFILL_CHUNK)
+  block = min(decoder.CACHE_BLOCK, seq_len)
   prompt_scores = local_elements(("batch", "heads", None, None),
-                                 (g, cfg.num_heads, chunk, chunk + min(decoder.CACHE_BLOCK, seq_len)),
-                                 mesh)
+                                 (g, cfg.num_heads, chunk, chunk + block), mesh)
   prompt_mask = local_elements(("batch", None, None), (g, chunk, chunk), mesh)
   last_logits = local_elements(("batch", "vocab"), (g, cfg.vocab_size), mesh)
   rollout_transient = (8 + c) * prompt_scores + prompt_mask + 4 * last_logits
@@ -494,9 +506,7 @@ def device_memory_bytes(device=None) -> int | None:
 
 def model_config_for(config) -> ModelConfig:
   """The config's ModelConfig from its config.json only (no weights, no tokenizer), with the
-  dtypes `trainer.load_policy` would give it."""
-  from jaxagent.models import hf_io
-  from jaxagent.models.policy import resolve_path
+  dtypes `jaxagent.runs.setup.load_policy` gives it."""
   if not config.model.path:
     raise ValueError("config.model.path is empty; pass --config.model.path=/path/to/hf_checkpoint "
                      "(a local Hugging Face directory) or builtin:NAME")
@@ -509,18 +519,13 @@ def rollout_lengths(config, tokenizer=None) -> tuple[int, int]:
   """(context_len, prompt_len) of the config's RL rollouts, as `rollout` computes them
   (`default_context_len(env, max_turns, max_action_tokens)`, env.max_obs_len). Builds the
   environment with the model's tokenizer (loaded from the model directory if not given)."""
-  import jaxagent.envs as envs
-  from jaxagent.rollout import budget as budget_lib
-  from jaxagent.rollout.api import default_context_len
   if tokenizer is None:
-    from transformers import AutoTokenizer
-    from jaxagent.models import hf_io
-    from jaxagent.models.policy import resolve_path
+    from transformers import AutoTokenizer   # heavy: only when the tokenizer is not given
     root = resolve_path(config.model.path)
     hf_io.check_tokenizer_files(root)
     tokenizer = AutoTokenizer.from_pretrained(str(root))
   env = envs.make(config.env.name, tokenizer, **dict(config.env.difficulty))
-  max_turns = budget_lib.parse_budget(config.rl.budget, per=config.rl.budget_per).max_budget
+  max_turns = Budget.parse(config.rl.budget, per=config.rl.budget_per).max_turns
   a = config.rl.max_action_tokens or env.max_action_len
   return default_context_len(env, max_turns, a), int(env.max_obs_len)
 
@@ -531,7 +536,9 @@ def plan_for_config(config, num_devices: int | None = None, *, context_len: int 
   config's num_devices, else all): config.model (config.json and dtypes), config.mesh,
   rl.num_tasks * rl.group_size episodes, the rollout context from the environment (or
   `context_len` / `prompt_len` given), the learner's minibatches and log-prob chunk, the reference
-  copy when rl.learner.kl_coef > 0, on the device or (rl.reference_on_host) on the host."""
+  copy when rl.learner.kl_coef > 0, on the device or (rl.reference_on_host) on the host. The
+  learner knobs are read through `LearnerConfig.from_config(config.rl.learner)`, as the trainer
+  reads them (keys a config leaves out, e.g. logprob_chunk, take LearnerConfig's defaults)."""
   if num_devices is None:
     num_devices = config.num_devices or jax.device_count()
   sizes = mesh_sizes(dict(config.mesh), num_devices)
@@ -539,10 +546,11 @@ def plan_for_config(config, num_devices: int | None = None, *, context_len: int 
   if context_len is None:
     context_len, env_prompt = rollout_lengths(config, tokenizer)
     prompt_len = prompt_len or env_prompt
-  learner = config.rl.learner
+  learner = LearnerConfig.from_config(config.rl.learner)
+  if learner.kl_coef <= 0:
+    reference_policy = "none"
+  else:
+    reference_policy = "host" if config.rl.reference_on_host else "device"
   return plan(cfg, sizes, global_batch=config.rl.num_tasks * config.rl.group_size,
-              seq_len=context_len, prefill_len=prompt_len,
-              minibatches=int(learner.get("minibatches", 1)),
-              logprob_chunk=int(learner.get("logprob_chunk", 128)),
-              reference_policy=("none" if float(learner.get("kl_coef", 0.0)) <= 0 else
-                                "host" if config.rl.get("reference_on_host", False) else "device"))
+              seq_len=context_len, prefill_len=prompt_len, minibatches=learner.minibatches,
+              logprob_chunk=learner.logprob_chunk, reference_policy=reference_policy)

@@ -15,7 +15,10 @@ import numpy as np
 import pytest
 
 from configs.default import get_config
-from jaxagent.eval import job, pass_at_kt, report
+from jaxagent.eval import checkpoints, compare, pass_at_kt, report
+from jaxagent import train
+from jaxagent.eval.evaluator import Evaluator
+from jaxagent.runs import layout
 
 pytestmark = pytest.mark.slow
 
@@ -39,22 +42,21 @@ def small_config(num_devices: int = 1):
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory):
   """A smoke training run: SFT checkpoints 2 and 4, RL checkpoint 2."""
-  from jaxagent.learners import trainer
   w = tmp_path_factory.mktemp("smoke_run")
   c = get_config("smoke")
   c.num_devices = 1
-  trainer.run(c, w)
+  train.run(c, w)
   return w
 
 
 @pytest.fixture(scope="module")
 def ev(run_dir):
-  return job.Evaluator(small_config(), run_dir)
+  return Evaluator(small_config(), run_dir)
 
 
 @pytest.fixture(scope="module")
 def latest(run_dir, ev):
-  return job.evaluate_checkpoint(small_config(), run_dir, evaluator=ev)
+  return checkpoints.evaluate_checkpoint(small_config(), run_dir, evaluator=ev)
 
 
 def _rates(tree):
@@ -118,10 +120,10 @@ def test_evaluate_latest_writes_every_file_with_sane_values(run_dir, latest):
 
 def test_params_restore_sharded_onto_the_config_mesh(run_dir, ev):
   """Saved from a one-device run, restored onto the eight-device fsdp mesh of the config."""
-  ev8 = job.Evaluator(small_config(num_devices=0), run_dir)
+  ev8 = Evaluator(small_config(num_devices=0), run_dir)
   assert ev8.policy.mesh.devices.size == 8
-  p8 = job.restore_params(run_dir, "rl", 2, ev8.abstract)
-  p1 = job.restore_params(run_dir, "rl", 2, ev.abstract)
+  p8 = layout.restore_params(run_dir, "rl", 2, ev8.abstract)
+  p1 = layout.restore_params(run_dir, "rl", 2, ev.abstract)
   for a, b, ref in zip(jax.tree.leaves(p8), jax.tree.leaves(p1),
                        jax.tree.leaves(ev8.policy.params)):
     assert a.sharding == ref.sharding
@@ -142,7 +144,7 @@ def test_truncation_equals_rerun_when_budget_hidden(run_dir, ev):
   """Deterministic policies with the budget hidden: the run capped at T is the T_max run cut at
   T, so both modes give the same Pass@(K,T) grid. Checked with greedy decoding of the trained
   checkpoint and with a deterministic noisy oracle that solves at varied turns."""
-  params = job.restore_params(run_dir, "rl", 2, ev.abstract)
+  params = layout.restore_params(run_dir, "rl", 2, ev.abstract)
   env = ev.env
 
   def noisy_oracle(state, key):
@@ -159,39 +161,39 @@ def test_truncation_equals_rerun_when_budget_hidden(run_dir, ev):
     for t in range(1, t_max + 1):
       np.testing.assert_array_equal(st[t - 1], np.where(full <= t, full, t_max + 1))
     trunc = pass_at_kt.pass_grid_truncation(full, t_max, num_bootstrap=50)
-    rerun = pass_at_kt.pass_at_kt(job.per_budget_counts(st, list(range(1, t_max + 1))), n,
+    rerun = pass_at_kt.pass_at_kt(pass_at_kt.per_budget_counts(st, list(range(1, t_max + 1))), n,
                                   num_bootstrap=50)
     np.testing.assert_allclose(rerun["mean"], trunc["mean"])
     np.testing.assert_allclose(rerun["lo"], trunc["lo"])
     if forced is noisy_oracle:   # the check is not vacuous: success turns vary
       assert len(set(full.ravel().tolist())) >= 2 and (full <= t_max).any()
     np.testing.assert_allclose(
-        job.per_task_pass1("rerun", st, list(range(1, t_max + 1)), t_max),
-        job.per_task_pass1("truncation", st, list(range(1, t_max + 1)), t_max))
+        pass_at_kt.per_task_pass1("rerun", st, list(range(1, t_max + 1)), t_max),
+        pass_at_kt.per_task_pass1("truncation", st, list(range(1, t_max + 1)), t_max))
 
 
 def test_step_selection_and_user_errors(run_dir, ev, tmp_path):
-  rep = job.evaluate_checkpoint(small_config(), run_dir, 4, evaluator=ev)
+  rep = checkpoints.evaluate_checkpoint(small_config(), run_dir, 4, evaluator=ev)
   assert rep["dir"].endswith("eval/sft_4") and rep["run"]["phase"] == "sft"
   assert rep["run"]["base"].startswith("the model's own weights")
   with pytest.raises(FileNotFoundError, match=r"available .*\('rl', 2\).*--step"):
-    job.evaluate_checkpoint(small_config(), run_dir, 3, evaluator=ev)
+    checkpoints.evaluate_checkpoint(small_config(), run_dir, 3, evaluator=ev)
   with pytest.raises(FileNotFoundError, match="no checkpoints/ directory.*train"):
-    job.evaluate_checkpoint(small_config(), tmp_path / "nothing", evaluator=ev)
+    checkpoints.evaluate_checkpoint(small_config(), tmp_path / "nothing", evaluator=ev)
   (tmp_path / "empty" / "checkpoints").mkdir(parents=True)
   with pytest.raises(FileNotFoundError, match="no checkpoint in"):
-    job.evaluate_checkpoint(small_config(), tmp_path / "empty", evaluator=ev)
+    checkpoints.evaluate_checkpoint(small_config(), tmp_path / "empty", evaluator=ev)
   bad = small_config()
   bad.eval.phase = "ppo"
   with pytest.raises(ValueError, match="config.eval.phase"):
-    job.evaluate_checkpoint(bad, run_dir, evaluator=ev)
+    checkpoints.evaluate_checkpoint(bad, run_dir, evaluator=ev)
   with pytest.raises(FileNotFoundError, match="launch.evaluate"):
-    job.latest_eval(tmp_path / "empty")
+    compare.latest_eval(tmp_path / "empty")
 
 
 def test_seeded_evaluation_is_reproducible(run_dir, ev, latest):
   """Two evaluations of one checkpoint evaluate the same tasks with the same episodes."""
-  again = job.evaluate_checkpoint(small_config(), run_dir, 2, evaluator=ev)
+  again = checkpoints.evaluate_checkpoint(small_config(), run_dir, 2, evaluator=ev)
   assert again["pass_at_kt"] == latest["pass_at_kt"]
   a = np.load(pathlib.Path(latest["dir"]) / "episodes.npz")
   np.testing.assert_array_equal(a["success_turn"], np.load(
@@ -199,12 +201,12 @@ def test_seeded_evaluation_is_reproducible(run_dir, ev, latest):
 
 
 def test_watch_evaluates_each_remaining_checkpoint(run_dir, ev, latest):
-  reps = job.watch(small_config(), run_dir, poll_seconds=0.01, timeout_seconds=60, evaluator=ev)
+  reps = checkpoints.watch(small_config(), run_dir, poll_seconds=0.01, timeout_seconds=60, evaluator=ev)
   done = {pathlib.Path(r["dir"]).name for r in reps}
   assert "sft_2" in done and "2" not in done           # only the ones without a report
   for name in ("2", "sft_2", "sft_4"):
     assert (run_dir / "eval" / name / "report.json").exists()
-  assert job.watch(small_config(), run_dir, poll_seconds=0.01, timeout_seconds=60,
+  assert checkpoints.watch(small_config(), run_dir, poll_seconds=0.01, timeout_seconds=60,
                    evaluator=ev) == []
 
 
@@ -213,7 +215,6 @@ def test_watch_follows_a_training_run_as_it_writes(tmp_path, ev):
   evaluates each one the training run (main thread: it installs the SIGTERM handler) writes, and
   returns once the run is DONE."""
   import threading
-  from jaxagent.learners import trainer
   w = tmp_path / "live"
   c = get_config("smoke")
   c.num_devices = 1
@@ -222,17 +223,17 @@ def test_watch_follows_a_training_run_as_it_writes(tmp_path, ev):
 
   def watch():
     try:
-      out["reps"] = job.watch(small_config(), w, poll_seconds=0.05, timeout_seconds=300,
+      out["reps"] = checkpoints.watch(small_config(), w, poll_seconds=0.05, timeout_seconds=300,
                               evaluator=ev)
     except Exception as err:   # re-raised below, in the test's thread
       out["error"] = err
 
   t = threading.Thread(target=watch)
   t.start()
-  trainer.run(c, w)
+  train.run(c, w)
   t.join(600)
   assert not t.is_alive() and "error" not in out, out.get("error")
-  have = {job.eval_dir_name(p, s) for p, s in job.checkpoint_steps(w)}
+  have = {layout.eval_dir_name(p, s) for p, s in layout.checkpoint_steps(w)}
   assert have == {"sft_4", "2"}                        # each phase's last step
   assert {pathlib.Path(r["dir"]).name for r in out["reps"]} == have
   for name in have:
@@ -244,10 +245,10 @@ def test_compare_states_each_claim_with_its_rule(run_dir, ev, latest, tmp_path):
   base = tmp_path / "base_run"
   shutil.copytree(run_dir / "checkpoints" / "sft", base / "checkpoints" / "sft")
   if not (run_dir / "eval" / "sft_4" / "report.json").exists():
-    job.evaluate_checkpoint(small_config(), run_dir, 4, evaluator=ev)
+    checkpoints.evaluate_checkpoint(small_config(), run_dir, 4, evaluator=ev)
   shutil.copytree(run_dir / "eval" / "sft_4", base / "eval" / "sft_4")
   out = tmp_path / "cmp"
-  job.compare({"base": str(base), "budgetmix": str(run_dir)}, out, small_config())
+  compare.compare({"base": str(base), "budgetmix": str(run_dir)}, out, small_config())
   for f in ["comparison.json", "comparison.md", "pass_curves_k1.png", "pass_curves_k2.png",
             "pass_heatmap_base.png", "pass_heatmap_budgetmix.png", "step_quality.png",
             "recovery.png", "likelihood.png"]:
@@ -280,7 +281,7 @@ def test_compare_states_each_claim_with_its_rule(run_dir, ev, latest, tmp_path):
     assert f"### Claim {num}: **" in md
   assert md.count("Rule: ") == 5
   with pytest.raises(ValueError, match="--base"):
-    job.compare({"rl": str(run_dir), "x": str(base)}, out, small_config())
+    compare.compare({"rl": str(run_dir), "x": str(base)}, out, small_config())
 
 
 def test_launch_evaluate_script(run_dir, latest):
@@ -311,7 +312,7 @@ def test_rerun_mode_one_run_per_budget(run_dir, tmp_path):
   shutil.copytree(run_dir / "data", w / "data")
   c = small_config()
   c.eval.mode, c.eval.rerun_budgets = "rerun", "2,4"
-  rep = job.evaluate_checkpoint(c, w)
+  rep = checkpoints.evaluate_checkpoint(c, w)
   assert rep["eval"]["mode"] == "rerun" and rep["eval"]["budget_visible"]
   g = rep["pass_at_kt"]
   assert g["t"] == [2, 4] and g["k"] == [1, 2]
@@ -331,24 +332,16 @@ def test_rerun_mode_one_run_per_budget(run_dir, tmp_path):
       assert 0 <= r["lo"] <= r["rate"] <= r["hi"] <= 1
 
 
-def test_parse_env_specs():
-  assert job.parse_env_specs("") == []
-  assert job.parse_env_specs("grid:size=4,hint=true; lookup") == [
-      ("grid", {"size": 4, "hint": True}), ("lookup", {})]
-  with pytest.raises(ValueError, match="knob=value"):
-    job.parse_env_specs("grid:size")
-
-
 def test_step_quality_by_environment(run_dir, tmp_path):
   """With extra environments, every policy acts on each one's oracle prefixes too, and the
   report breaks step quality down by environment (the counts add up to the overall)."""
   c = small_config()
   c.eval.extra_envs = "grid:size=4,num_traps=0,min_distance=2;arithmetic:num_ops=1"
   c.data.dir = str(tmp_path / "data")       # the extra environments' test splits go here
-  ev_x = job.Evaluator(c, run_dir)
+  ev_x = Evaluator(c, run_dir)
   assert [es.label for es in ev_x.extra] == ["grid(min_distance=2,num_traps=0,size=4)",
                                               "arithmetic(num_ops=1)"]
-  rep = job.evaluate_checkpoint(c, run_dir, evaluator=ev_x)
+  rep = checkpoints.evaluate_checkpoint(c, run_dir, evaluator=ev_x)
   counts = rep["reference_states"]["extra_envs"]
   # The oracle's prefixes: grid tasks take >= 2 moves, arithmetic(num_ops=1) one call + answer.
   assert counts["grid(min_distance=2,num_traps=0,size=4)"] >= 2 * 4

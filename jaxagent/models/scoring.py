@@ -14,7 +14,7 @@ import jax.numpy as jnp
 
 from jaxagent.models import decoder
 from jaxagent.models.config import ModelConfig
-from jaxagent.rollout.sampler import scaled_logprobs
+from jaxagent.models.sampler import scaled_logprobs
 
 
 def _chunked_scores(cfg: ModelConfig, params, tokens, length, temperature, chunk: int,

@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 from configs.default import get_config
-from jaxagent.learners import trainer
+from jaxagent import train
+from jaxagent.runs import layout, setup
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -43,18 +44,18 @@ def _lines(workdir):
 
 
 def _params(workdir, config):
-  policy = trainer.load_policy(config)
-  params, _, _ = trainer.latest_params(workdir, trainer._abstract(policy.params))
+  policy = setup.load_policy(config)
+  params, _, _ = layout.latest_params(workdir, layout.abstract_params(policy.params))
   return jax.tree.map(np.asarray, params)
 
 
 def test_resume_is_exact(tmp_path):
   data = tmp_path / "data"
   full, split = tmp_path / "full", tmp_path / "split"
-  trainer.run(_rl_only(4, **{"data.dir": str(data)}), full)
-  trainer.run(_rl_only(2, **{"data.dir": str(data)}), split)
+  train.run(_rl_only(4, **{"data.dir": str(data)}), full)
+  train.run(_rl_only(2, **{"data.dir": str(data)}), split)
   # Same run, continued: a config with more steps resumes from the step-2 checkpoint.
-  trainer.run(_rl_only(4, **{"data.dir": str(data)}), split)
+  train.run(_rl_only(4, **{"data.dir": str(data)}), split)
   a, b = _lines(full), _lines(split)
   assert [l["step"] for l in a] == [1, 2, 3, 4]
   assert a == b
@@ -62,17 +63,17 @@ def test_resume_is_exact(tmp_path):
   jax.tree.map(np.testing.assert_array_equal, pa, pb)
   # A finished phase is not redone.
   before = (full / "metrics.jsonl").read_text()
-  trainer.run(_rl_only(4, **{"data.dir": str(data)}), full)
+  train.run(_rl_only(4, **{"data.dir": str(data)}), full)
   assert (full / "metrics.jsonl").read_text() == before
 
 
 def test_bad_config_fails_before_compute(tmp_path):
   with pytest.raises(ValueError, match="budget"):
-    trainer.run(_rl_only(1, **{"rl.budget": "mix:2,x"}), tmp_path / "a")
+    train.run(_rl_only(1, **{"rl.budget": "mix:2,x"}), tmp_path / "a")
   with pytest.raises(ValueError, match="unknown advantage"):
-    trainer.run(_rl_only(1, **{"rl.learner.advantage": "ppo2"}), tmp_path / "b")
+    train.run(_rl_only(1, **{"rl.learner.advantage": "ppo2"}), tmp_path / "b")
   with pytest.raises(ValueError, match="not an environment"):
-    trainer.run(_rl_only(1, **{"env.name": "chess"}), tmp_path / "c")
+    train.run(_rl_only(1, **{"env.name": "chess"}), tmp_path / "c")
   assert not (tmp_path / "a" / "checkpoints").exists()
 
 
@@ -117,10 +118,10 @@ def test_only_the_primary_process_writes_metrics_and_markers(tmp_path, monkeypat
   metrics, TensorBoard events, config.json and DONE are written once, by process 0."""
   from jaxagent.sharding import distributed
   data = tmp_path / "data"
-  trainer.load_tasks(_rl_only(2, **{"data.dir": str(data)}), tmp_path, "train")   # built once
+  setup.load_tasks(_rl_only(2, **{"data.dir": str(data)}), tmp_path, "train")   # built once
   monkeypatch.setattr(distributed, "is_primary", lambda: False)
   other = tmp_path / "other"
-  trainer.run(_rl_only(2, **{"data.dir": str(data)}), other)
+  train.run(_rl_only(2, **{"data.dir": str(data)}), other)
   assert sorted(p.name for p in other.iterdir()) == ["checkpoints"]
   assert sorted(int(p.name) for p in (other / "checkpoints" / "rl").iterdir()
                 if p.name.isdigit()) == [1, 2]

@@ -14,8 +14,8 @@ import pytest
 from jaxagent.models import decoder
 from jaxagent.models.config import ModelConfig
 from jaxagent.models.policy import Policy
-from jaxagent.rollout import sampler
-from jaxagent.rollout.sampler import SamplingConfig
+from jaxagent.models import sampler
+from jaxagent.models.sampler import SamplingConfig
 
 N_DRAWS = 40_000
 # Deliberately not sorted, so a sampler that confuses rank with token id fails.

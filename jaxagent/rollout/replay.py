@@ -1,0 +1,115 @@
+"""Compiled programs that revisit recorded episodes: replaying their actions, and acting once.
+
+* Replay (`make_replay_fn`): the environment states of a recorded episode are rebuilt from its
+  recorded actions, without a model. For an acted turn t of row b,
+
+      s_t = step(... step(reset(task_b, budget_b), a_0) ..., a_{t-1})
+
+  where a_i = action_tokens[b, i, :action_tokens_len[b, i]] are the actions the environment
+  received (a vmapped `lax.scan` over turns), so any recorded Trajectory (oracle, a policy's, a
+  hand-built one) yields the state in which each of its actions was taken.
+
+* Next action (`make_next_action_fn`): a policy acts once from a transcript prefix (everything
+  before a turn's action): the prefix is prefilled into a fresh KV cache (`sampler.prefill`), one
+  action is decoded (`sampler.decode`, stopping at the codec's end-of-turn id or after
+  `max_action_tokens`), and the environment steps the replayed state with it; the step's info
+  says whether the action is a valid call and whether it equals the oracle's action.
+
+Each factory returns a freshly jitted function; its owner (`jaxagent.runs.programs.Programs`)
+builds it once per (model config, environment, static settings) and hands it to the evaluators.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from jaxagent.envs.base import TokenBuffer
+from jaxagent.models import decoder, sampler
+from jaxagent.models.config import ModelConfig
+
+
+def _where_tree(pred_b, new, old):
+  """Per row b: `new` where pred_b [B] is true, else `old` (leaves [B, ...])."""
+  return jax.tree.map(
+      lambda x, y: jnp.where(pred_b.reshape(pred_b.shape + (1,) * (x.ndim - 1)), x, y), new, old)
+
+
+def make_replay_fn(env, budget_visible: bool):
+  """jit(fn(tasks [B], budget [B], actions [B,T,A], actions_len [B,T], acted [B,T]) -> states
+  [B, T]).
+
+  states[b, t] (the env's state pytree, leaves [B, T, ...]) is the env state before turn t's
+  action: the episode is reset with tasks[b] and stepped with the recorded actions of the acted
+  turns (a turn with acted[b, t] false leaves the state unchanged). With `budget_visible` the
+  reset gets `budget` (as a rollout that told the agent its budget), else -1 (hidden).
+  Compiled once per (B, T, A); a new function object on every call (no cache).
+  """
+  budget_visible = bool(budget_visible)
+
+  def run(tasks, budget, actions, actions_len, acted):
+    b = budget.shape[0]
+    reset_budget = budget if budget_visible else jnp.full_like(budget, -1)
+    # Environments ignore the key when given a task (the task fixes the episode).
+    state, _ = jax.vmap(env.reset)(jax.random.split(jax.random.key(0), b), tasks, reset_budget)
+
+    def body(state, x):
+      a, n, act = x
+      new, _, _ = jax.vmap(env.step)(state, TokenBuffer(tokens=a, length=n))
+      return _where_tree(act, new, state), state
+
+    xs = (jnp.swapaxes(actions, 0, 1), actions_len.T, acted.T)
+    _, states = jax.lax.scan(body, state, xs)
+    return jax.tree.map(lambda x: jnp.swapaxes(x, 0, 1), states)
+
+  return jax.jit(run)
+
+
+@struct.dataclass
+class NextAction:
+  """A policy's next action at each of N states and what the environment made of it."""
+  tokens: jax.Array        # [N, A_env] int32 the action (no end-of-turn token; pad after length)
+  length: jax.Array        # [N] int32
+  valid_call: jax.Array    # [N] bool
+  oracle_match: jax.Array  # [N] bool
+  error_kind: jax.Array    # [N] int32 ErrorKind
+
+
+def make_next_action_fn(mcfg: ModelConfig, env, max_action_tokens: int):
+  """jit(fn(params, prefix [N,P], prefix_len [N], env_state [N], key, sc) -> NextAction).
+
+  The KV cache holds P + max_action_tokens slots; positions are slot indices, as in a rollout,
+  so greedy decoding reproduces the action a greedy rollout took at the same prefix. The action
+  the environment receives is the decoded tokens without the end-of-turn token (a turn that hits
+  `max_action_tokens` without it is cut there), exactly as the rollout engine does. Compiled once
+  per (P, N); params, contents, key and sampling knobs (`sampler.SamplingConfig`) are traced.
+  A new function object on every call (no cache): build it once and share it.
+
+  Raises:
+    ValueError: unless 2 <= max_action_tokens <= env.max_action_len.
+  """
+  eot, pad = int(env.codec.end_of_turn_id), int(env.codec.pad_id)
+  a, a_env = int(max_action_tokens), int(env.max_action_len)
+  if not 2 <= a <= a_env:
+    raise ValueError(f"max_action_tokens={a} must be in [2, the environment's max_action_len = "
+                     f"{a_env}] (it counts the end-of-turn token)")
+
+  def run(params, prefix, prefix_len, env_state, key, sc):
+    n, p = prefix.shape
+    cache = decoder.init_cache(mcfg, n, p + a)
+    logits, cache = sampler.prefill(mcfg, params, cache, prefix, prefix_len)
+    gen = sampler.decode(mcfg, params, cache, logits, key, sc,
+                         max_new=jnp.full((n,), a, jnp.int32),
+                         stop_tokens=jnp.full((n, 1), eot, jnp.int32), max_new_tokens=a,
+                         pad_id=pad)
+    n_act = gen.lengths - gen.stopped.astype(jnp.int32)
+    cols = jnp.arange(a)[None, :]
+    toks = jnp.where(cols < n_act[:, None], gen.tokens, pad)
+    toks = jnp.pad(toks, ((0, 0), (0, a_env - a)), constant_values=pad)
+    action = TokenBuffer(tokens=toks, length=n_act)
+    _, _, info = jax.vmap(env.step)(env_state, action)
+    return NextAction(tokens=toks, length=n_act, valid_call=info.valid_call,
+                      oracle_match=info.oracle_match, error_kind=info.error_kind)
+
+  return jax.jit(run)

@@ -1,0 +1,1 @@
+"""Runs: config sections, workdir layout, set-up and compiled programs."""

@@ -1,0 +1,366 @@
+"""Typed sections of a run config: `sft`, `rl` and `eval`, read once and checked.
+
+    sft = sft_config(config)      # SFTConfig: the supervised phase
+    rl = rl_config(config)        # RLConfig: the RL phase (budget parsed, LearnerConfig built)
+    ev = eval_config(config)      # EvalConfig: evaluation (string specs parsed into tuples)
+    validate(config)              # all three; raises the first ConfigError
+
+configs/default.py is the one set of defaults: these dataclasses have none, so every key of a
+section must be in the config. Reading a section rejects unknown keys, missing keys and wrongly
+typed values with a `ConfigError` (a ValueError) that names the full key, e.g.
+`config.sft.steps must be an int, got '10'`. Types are strict: an int is not a bool, a float may
+be given as an int, a bool must be a bool and a str a str.
+
+String specs are parsed here, once: `rl.budget` and `rl.budget_per` into one
+`jaxagent.rollout.budget.Budget` (the section keeps no separate spec string), `rl.learner` into a
+`jaxagent.learners.update.LearnerConfig` whose temperature is `rl.temperature` (log-probs are
+recomputed at the rollout temperature), and the comma/semicolon lists of `eval` into tuples.
+
+Every section is a frozen, hashable dataclass (usable as a cache key of compiled programs); so
+`EvalConfig.extra_envs` keeps each environment's knobs as a sorted tuple of (knob, value) pairs
+(JSON lists and objects frozen into tuples): `EvalConfig.knobs(i)` / `env_specs()` give dicts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import typing
+from typing import Any, Callable, Mapping
+
+import ml_collections
+
+from jaxagent.learners.update import LearnerConfig
+from jaxagent.rollout.budget import PER_MODES, Budget, BudgetSpecError
+
+EVAL_MODES = ("truncation", "rerun")
+EVAL_PHASES = ("", "sft", "rl")
+_DEFAULTS = "configs/default.py lists every key"
+
+
+class ConfigError(ValueError):
+  """A config key that is unknown, missing, wrongly typed or out of range; the message names
+  the full key (config.section.key)."""
+
+
+# -- sections ---------------------------------------------------------------------------------
+
+
+def _require(ok: bool, message: str):
+  if not ok:
+    raise ConfigError(message)
+
+
+@dataclasses.dataclass(frozen=True)
+class SFTConfig:
+  """config.sft: supervised training on demonstrations (0 steps skips the phase)."""
+  steps: int
+  batch_size: int
+  learning_rate: float
+  warmup_steps: int
+  weight_decay: float
+  max_grad_norm: float
+
+  def __post_init__(self):
+    _require(self.steps >= 0, f"config.sft.steps must be >= 0, got {self.steps}")
+    _require(self.batch_size >= 1, f"config.sft.batch_size must be >= 1, got {self.batch_size}")
+    _require(self.warmup_steps >= 0,
+             f"config.sft.warmup_steps must be >= 0, got {self.warmup_steps}")
+    _require(self.max_grad_norm >= 0,
+             f"config.sft.max_grad_norm must be >= 0 (0 disables clipping), got "
+             f"{self.max_grad_norm}")
+
+
+@dataclasses.dataclass(frozen=True)
+class RLConfig:
+  """config.rl: the RL phase (0 steps skips it). `budget` is parsed from the config keys
+  `budget` (spec) and `budget_per`; `learner` from `learner`, with `temperature` as its
+  temperature."""
+  steps: int
+  num_tasks: int
+  group_size: int
+  budget: Budget
+  budget_visible: bool
+  temperature: float
+  max_action_tokens: int
+  reference_on_host: bool
+  learner: LearnerConfig
+
+  def __post_init__(self):
+    for key in ("num_tasks", "group_size"):
+      value = getattr(self, key)
+      _require(value >= 1, f"config.rl.{key} must be >= 1, got {value}")
+    for key in ("steps", "max_action_tokens", "temperature"):
+      value = getattr(self, key)
+      _require(value >= 0, f"config.rl.{key} must be >= 0, got {value}")
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalConfig:
+  """config.eval: evaluation of checkpoints (see the comments of configs/default.py's `c.eval`).
+
+  Parsed fields: rerun_budgets and curve_ks from "2,4,6,8"; extra_envs from
+  "name:knob=value,...;name2:..." as ((name, ((knob, value), ...)), ...) with sorted knobs
+  (hashable; `knobs(i)` and `env_specs()` give them as dicts).
+  """
+  num_samples: int
+  max_turns: int
+  mode: str
+  rerun_budgets: tuple[int, ...]
+  rerun_budget_visible: bool
+  temperature: float
+  max_action_tokens: int
+  num_tasks: int
+  tasks_per_batch: int
+  max_reference_states: int
+  state_batch: int
+  score_batch: int
+  likelihood_trajectories: int
+  num_bootstrap: int
+  confidence: float
+  seed: int
+  phase: str
+  base_workdir: str
+  extra_envs: tuple[tuple[str, tuple[tuple[str, Any], ...]], ...]
+  curve_ks: tuple[int, ...]
+
+  def __post_init__(self):
+    _require(self.mode in EVAL_MODES,
+             f"config.eval.mode={self.mode!r}: use 'truncation' or 'rerun'")
+    _require(self.max_turns >= 1, f"config.eval.max_turns must be >= 1, got {self.max_turns}")
+    bad = [t for t in self.rerun_budgets if not 1 <= t <= self.max_turns]
+    _require(not bad and (self.rerun_budgets or self.mode != "rerun"),
+             f"config.eval.rerun_budgets={','.join(map(str, self.rerun_budgets))!r}: give "
+             f"budgets in [1, config.eval.max_turns={self.max_turns}]"
+             + (f" ({bad} are not)" if bad else " (rerun mode needs at least one)"))
+    for key in ("num_samples", "tasks_per_batch", "state_batch", "score_batch",
+                "num_bootstrap"):
+      value = getattr(self, key)
+      _require(value >= 1, f"config.eval.{key} must be >= 1, got {value}")
+    for key in ("num_tasks", "max_reference_states", "likelihood_trajectories",
+                "max_action_tokens", "temperature"):
+      value = getattr(self, key)
+      _require(value >= 0, f"config.eval.{key} must be >= 0 (0 = all / default), got {value}")
+    _require(self.phase in EVAL_PHASES,
+             f"config.eval.phase={self.phase!r}: use 'rl', 'sft' or '' (every phase)")
+    _require(0 < self.confidence < 1,
+             f"config.eval.confidence must be in (0, 1), got {self.confidence}")
+    _require(all(k >= 1 for k in self.curve_ks),
+             f"config.eval.curve_ks={','.join(map(str, self.curve_ks))!r}: K values must be "
+             ">= 1")
+
+  @property
+  def budgets(self) -> tuple[int, ...]:
+    """The budgets evaluated: rerun_budgets in rerun mode, else 1..max_turns (truncation)."""
+    if self.mode == "rerun":
+      return self.rerun_budgets
+    return tuple(range(1, self.max_turns + 1))
+
+  @property
+  def budget_visible(self) -> bool:
+    """Whether evaluation rollouts tell the agent its budget: rerun mode with
+    rerun_budget_visible (a truncated T_max run never knows where it is cut)."""
+    return self.mode == "rerun" and self.rerun_budget_visible
+
+  def knobs(self, i: int) -> dict:
+    """The knobs of extra environment i as a dict."""
+    return dict(self.extra_envs[i][1])
+
+  def env_specs(self) -> list[tuple[str, dict]]:
+    """extra_envs as [(name, knobs dict)] (the form of `parse_env_specs`)."""
+    return [(name, self.knobs(i)) for i, (name, _) in enumerate(self.extra_envs)]
+
+
+# -- the generic reader -----------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class _Convert:
+  """How one special field is built: the config key of the same name must have type `raw`;
+  `build(raw_value, plain)` makes the field (plain: the section's checked plain values and
+  extra keys). A ValueError it raises becomes a ConfigError prefixed with the key."""
+  raw: type | tuple[type, ...]
+  build: Callable[[Any, dict], Any]
+
+
+_PLAIN = {int: "an int", float: "a float", bool: "a bool", str: "a str"}
+
+
+def _type_ok(value, kind) -> bool:
+  if kind is bool:
+    return isinstance(value, bool)
+  if isinstance(value, bool):
+    return False
+  if kind is float:
+    return isinstance(value, (int, float))
+  return isinstance(value, kind)
+
+
+def _type_name(kind) -> str:
+  if kind in _PLAIN:
+    return _PLAIN[kind]
+  kinds = kind if isinstance(kind, tuple) else (kind,)
+  return " or ".join("a " + k.__name__ for k in kinds)
+
+
+def _check(name: str, key: str, value, kind):
+  ok = (any(_type_ok(value, k) for k in kind) if isinstance(kind, tuple)
+        else _type_ok(value, kind))
+  if not ok:
+    raise ConfigError(f"config.{name}.{key} must be {_type_name(kind)}, got {value!r}")
+  return float(value) if kind is float else value
+
+
+def _read(cls, section: ml_collections.ConfigDict | Mapping, name: str,
+          convert: Mapping[str, _Convert] = {}, extra: Mapping[str, type] = {}):
+  """`cls` (a dataclass) from config section `name` (e.g. "rl"). Plain fields (int, float,
+  bool, str per the field's annotation) are type-checked and copied; the fields in `convert`
+  are built from their raw value; `extra` lists config keys that are no field but that the
+  converters read (e.g. rl.budget_per), type-checked like plain fields. Unknown, missing or
+  wrongly typed keys raise ConfigError naming `config.<name>.<key>`."""
+  if not isinstance(section, (ml_collections.ConfigDict, ml_collections.FrozenConfigDict,
+                              Mapping)):
+    raise ConfigError(f"config.{name} must be a section (ConfigDict), got {section!r}")
+  items = dict(section.items())
+  hints = typing.get_type_hints(cls)
+  fields = [f.name for f in dataclasses.fields(cls)]
+  valid = fields + [k for k in extra if k not in fields]
+  unknown = sorted(set(items) - set(valid))
+  if unknown:
+    raise ConfigError(f"config.{name}: unknown key(s) "
+                      f"{', '.join(f'config.{name}.{k}' for k in unknown)}; valid keys: "
+                      f"{', '.join(valid)}")
+  for key in valid:
+    if key not in items:
+      raise ConfigError(f"config.{name}.{key} is missing; add it to the config ({_DEFAULTS})")
+  plain = {}
+  for key in valid:
+    if key in convert:
+      continue
+    kind = extra[key] if key not in hints else hints[key]
+    if kind not in _PLAIN:
+      raise TypeError(f"{cls.__name__}.{key}: type {kind} needs a converter")
+    plain[key] = _check(name, key, items[key], kind)
+  values = {k: v for k, v in plain.items() if k in fields}
+  for key, conv in convert.items():
+    raw = _check(name, key, items[key], conv.raw)
+    try:
+      values[key] = conv.build(raw, plain)
+    except ConfigError:
+      raise
+    except ValueError as e:
+      raise ConfigError(f"config.{name}.{key}: {e}") from e
+  return cls(**values)
+
+
+# -- parsers ----------------------------------------------------------------------------------
+
+
+def _ints(key: str, spec: str) -> tuple[int, ...]:
+  try:
+    return tuple(int(x) for x in spec.split(",") if x.strip())
+  except ValueError:
+    raise ConfigError(f"config.{key}={spec!r}: give comma-separated integers, e.g. "
+                      "'1,2,4'") from None
+
+
+def parse_env_specs(spec: str) -> list[tuple[str, dict]]:
+  """"name:knob=value,knob=value;name2:..." -> [(name, knobs)]; values are JSON literals where
+  they parse (1, 0.2, true), else strings. Empty -> []."""
+  out = []
+  for part in str(spec or "").split(";"):
+    part = part.strip()
+    if not part:
+      continue
+    name, _, knobs = part.partition(":")
+    kw = {}
+    for item in filter(None, (x.strip() for x in knobs.split(","))):
+      k, eq, v = item.partition("=")
+      if not eq or not k.strip():
+        raise ValueError(f"config.eval.extra_envs={spec!r}: {item!r} is not knob=value; write "
+                         "e.g. 'lookup:hops=1,distractor_entities=2;arithmetic:num_ops=2'")
+      try:
+        kw[k.strip()] = json.loads(v.strip())
+      except json.JSONDecodeError:
+        kw[k.strip()] = v.strip()
+    out.append((name.strip(), kw))
+  return out
+
+
+def _freeze(value):
+  """A JSON value made hashable: lists -> tuples, objects -> sorted (key, value) tuples."""
+  if isinstance(value, list):
+    return tuple(_freeze(v) for v in value)
+  if isinstance(value, dict):
+    return tuple(sorted((k, _freeze(v)) for k, v in value.items()))
+  return value
+
+
+def _extra_envs(spec: str, _) -> tuple:
+  try:
+    specs = parse_env_specs(spec)
+  except ValueError as e:
+    raise ConfigError(str(e)) from None
+  return tuple((name, _freeze(knobs)) for name, knobs in specs)
+
+
+def _budget(spec: str, plain: dict) -> Budget:
+  per = plain["budget_per"]
+  key = "budget_per" if per not in PER_MODES else "budget"
+  try:
+    return Budget.parse(spec, per=per)
+  except BudgetSpecError as e:
+    raise ConfigError(f"config.rl.{key}: {e}") from e
+
+
+def _learner(section, plain: dict) -> LearnerConfig:
+  items = section.to_dict() if hasattr(section, "to_dict") else dict(section)
+  if "temperature" in items:
+    raise ConfigError("config.rl.learner.temperature: set config.rl.temperature instead (the "
+                      "learner recomputes log-probs at the rollout temperature)")
+  try:
+    return LearnerConfig.from_config({**items, "temperature": plain["temperature"]})
+  except ValueError as e:
+    raise ConfigError(f"config.rl.learner: {e}") from e
+
+
+_SECTION = (ml_collections.ConfigDict, ml_collections.FrozenConfigDict, dict)
+
+
+# -- per section ------------------------------------------------------------------------------
+
+
+def _section(config, name: str):
+  try:
+    return config[name]
+  except KeyError:
+    raise ConfigError(f"config.{name} is missing; add the section ({_DEFAULTS})") from None
+
+
+def sft_config(config) -> SFTConfig:
+  """config.sft (of the whole run config) as an SFTConfig."""
+  return _read(SFTConfig, _section(config, "sft"), "sft")
+
+
+def rl_config(config) -> RLConfig:
+  """config.rl (of the whole run config) as an RLConfig."""
+  return _read(RLConfig, _section(config, "rl"), "rl",
+               convert={"budget": _Convert(str, _budget),
+                        "learner": _Convert(_SECTION, _learner)},
+               extra={"budget_per": str})
+
+
+def eval_config(config) -> EvalConfig:
+  """config.eval (of the whole run config) as an EvalConfig."""
+  return _read(EvalConfig, _section(config, "eval"), "eval",
+               convert={"rerun_budgets": _Convert(str, lambda s, _: _ints("eval.rerun_budgets",
+                                                                          s)),
+                        "curve_ks": _Convert(str, lambda s, _: _ints("eval.curve_ks", s)),
+                        "extra_envs": _Convert(str, _extra_envs)})
+
+
+def validate(config) -> None:
+  """Reads the sft, rl and eval sections; raises the first ConfigError."""
+  sft_config(config)
+  rl_config(config)
+  eval_config(config)

@@ -1,0 +1,98 @@
+"""Setting up a run from its config: the policy on its mesh, the environment, the fixed task
+splits and the SFT demonstrations. Training, evaluation and the study all start here.
+
+    policy = load_policy(config)                       # config.model, config.mesh, num_devices
+    env = make_env(config, policy.tokenizer)           # config.env
+    tasks = load_tasks(config, workdir, "test")        # built into the data dir on first use
+    demos = load_demos(config, workdir, policy.tokenizer, "train")
+"""
+
+from __future__ import annotations
+
+import jax
+import ml_collections
+import numpy as np
+from jax.experimental import multihost_utils
+
+import jaxagent.envs as envs
+from jaxagent.data import demos as demo_data
+from jaxagent.data import tasks as task_data
+from jaxagent.models import ModelConfig, Policy, from_pretrained
+from jaxagent.models.policy import load_config_and_tokenizer
+from jaxagent.runs import layout
+from jaxagent.sharding import distributed, make_mesh
+
+
+def load_policy(config: ml_collections.ConfigDict) -> Policy:
+  """The config's model (config.model.path, dtypes) on a mesh of the first config.num_devices
+  devices (0: all) with config.mesh's axis sizes."""
+  devices = jax.devices()[:config.num_devices or None]
+  mesh = make_mesh(dict(config.mesh), devices=devices)
+  return from_pretrained(config.model.path, dtype=config.model.dtype, mesh=mesh,
+                         param_dtype=config.model.param_dtype)
+
+
+def load_skeleton(config) -> tuple[ModelConfig, object]:
+  """(model config, tokenizer) of the config's model without its weights: what `load_policy`
+  gives `policy.config` and `policy.tokenizer`."""
+  return load_config_and_tokenizer(config.model.path, dtype=config.model.dtype,
+                                   param_dtype=config.model.param_dtype)
+
+
+def env_spec(config) -> tuple[str, tuple]:
+  """(name, sorted knobs): what identifies the config's environment for one tokenizer."""
+  return config.env.name, tuple(sorted(dict(config.env.difficulty).items()))
+
+
+def make_env(config, tokenizer):
+  """A new environment of the config (config.env.name with config.env.difficulty's knobs)."""
+  if config.env.name not in envs.names():
+    raise ValueError(f"config.env.name={config.env.name!r} is not an environment; choose one of "
+                     f"{envs.names()}")
+  return envs.make(config.env.name, tokenizer, **dict(config.env.difficulty))
+
+
+def build_once(name: str, build) -> None:
+  """Runs `build()` (writing a dataset into the shared data dir) on the primary process only;
+  on a multi-host job the others wait for it at a barrier, then read what it wrote."""
+  if jax.process_count() > 1:
+    if distributed.is_primary():
+      build()
+    multihost_utils.sync_global_devices(f"jaxagent data: {name}")
+  else:
+    build()
+
+
+def task_kwargs(config) -> dict:
+  return dict(seed=config.data.seed, num_train=config.data.num_train,
+              num_validation=config.data.num_validation, num_test=config.data.num_test,
+              **dict(config.env.difficulty))
+
+
+def load_tasks(config, workdir, split: str) -> dict[str, np.ndarray]:
+  """The fixed task split as numpy arrays (built into the data dir on first use)."""
+  d = layout.data_dir(config, workdir)
+  build_once("tasks", lambda: task_data.build(d, config.env.name, **task_kwargs(config)))
+  return task_data.load(d, config.env.name, split, **task_kwargs(config))
+
+
+def demo_kwargs(config) -> dict:
+  d = config.data
+  return dict(task_seed=d.seed, num_train=d.num_train, num_validation=d.num_validation,
+              num_test=d.num_test, error_rate=d.demo_error_rate,
+              recovery_rate=d.demo_recovery_rate, max_turns=d.demo_max_turns,
+              max_len=d.demo_max_len, seed=config.seed,
+              episodes_per_task=d.demo_episodes_per_task, **dict(config.env.difficulty))
+
+
+def load_demos(config, workdir, tokenizer, split: str) -> dict[str, np.ndarray]:
+  """Noisy-oracle demonstrations (built on first use), token arrays cut to the longest one
+  (rounded up to a multiple of 64)."""
+  d = layout.data_dir(config, workdir)
+  build_once("demos", lambda: demo_data.build(d, config.env.name, tokenizer,
+                                              **demo_kwargs(config)))
+  arrays = demo_data.load(d, config.env.name, tokenizer, split, **demo_kwargs(config))
+  keep = -(-int(arrays["length"].max()) // 64) * 64
+  for k in ("tokens", "loss_mask", "turn_of_token"):
+    arrays[k] = arrays[k][:, :keep]
+  return arrays

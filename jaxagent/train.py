@@ -1,0 +1,213 @@
+"""The training loop: `run(config, workdir)` runs the phases of a config (SFT, then RL).
+
+Every phase checkpoints to `<workdir>/checkpoints/<phase>` (params, optimizer state, step and
+RNG; the data position is derived from the step), so a run restarted on the same workdir resumes
+from the latest checkpoint and continues exactly as if never stopped: batch s always uses the same
+tasks, budgets and keys (folded from the seed and s). A finished phase is not redone. SIGTERM
+saves a checkpoint and exits cleanly. Per step: one line in `<workdir>/metrics.jsonl`, TensorBoard
+scalars, and a progress bar. The workdir layout is `jaxagent.runs.layout`'s.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+from absl import logging
+from tqdm import tqdm
+
+from jaxagent.checkpoint import FINGERPRINT_KEY, Checkpointer, PreemptionGuard, model_fingerprint
+from jaxagent.data import tasks as task_data
+from jaxagent.learners.logger import MetricsLog, check_finite
+from jaxagent.learners.update import TrainState, init_train_state, offload_to_host
+from jaxagent.models import Policy
+from jaxagent.rollout.stats import trajectory_stats
+from jaxagent.rollout.trajectory import trim
+from jaxagent.runs import config as sections
+from jaxagent.runs import layout, setup
+from jaxagent.runs.programs import Programs
+from jaxagent.sharding import distributed
+
+
+def _batch_slice(arrays: dict, start: int, size: int) -> dict:
+  n = len(next(iter(arrays.values())))
+  idx = (start + np.arange(size)) % n
+  return {k: v[idx] for k, v in arrays.items()}
+
+
+def _state_dict(state: TrainState) -> dict:
+  """The saved layout: a dict, so evaluation can restore the `params` subtree alone."""
+  return {"params": state.params, "opt_state": state.opt_state, "step": state.step,
+          "key": state.key}
+
+
+class _Phase:
+  """Checkpointing, metrics, progress and preemption for one phase."""
+
+  def __init__(self, name, config, workdir, fingerprint, total_steps):
+    self.name, self.total = name, total_steps
+    self.ckpt = Checkpointer(layout.checkpoint_dir(workdir, name), max_to_keep=config.max_to_keep,
+                             save_interval_steps=config.checkpoint_every)
+    self.ckpt.check_compatible(fingerprint)
+    self.fingerprint = fingerprint
+
+  def restore(self, state: TrainState) -> tuple[TrainState, int]:
+    step = self.ckpt.latest_step()
+    if step is None:
+      return state, 0
+    logging.info("%s: resuming from step %d", self.name, step)
+    restored = self.ckpt.restore(step, abstract_state=layout.abstract_params(_state_dict(state)))
+    return TrainState(**restored), step
+
+  def end_step(self, step: int, state: TrainState, guard: PreemptionGuard) -> None:
+    """Checkpoints (every checkpoint_every steps, and the last); on SIGTERM saves and exits."""
+    self.save(step, state, force=step == self.total)
+    if guard.should_stop(step):
+      self.save(step, state, force=True)
+      self.ckpt.wait_until_finished()
+      raise SystemExit(f"{self.name}: preempted; saved step {step}; rerun the same command to "
+                       "resume")
+
+  def save(self, step: int, state: TrainState, force=False):
+    self.ckpt.save(step, _state_dict(state), meta={"phase": self.name, "step": step,
+                                                   FINGERPRINT_KEY: self.fingerprint}, force=force)
+
+
+def _show_progress(config) -> bool:
+  """Progress bars on the primary process only (one bar per job, not one per host)."""
+  return bool(config.progress_bar) and distributed.is_primary()
+
+
+def run_sft(config, workdir, policy: Policy, programs: Programs, params, fingerprint) -> Any:
+  c = sections.sft_config(config)
+  phase = _Phase("sft", config, workdir, fingerprint, c.steps)
+  optimizer, step_fn = programs.sft_step(c)
+  state = init_train_state(params, optimizer, jax.random.key(config.seed), mesh=policy.mesh)
+  state, start = phase.restore(state)
+  if start >= c.steps:
+    logging.info("sft: already done (%d steps)", start)
+    return state.params
+  demos = setup.load_demos(config, workdir, policy.tokenizer, "train")
+  n = len(demos["length"])
+  perm_key = jax.random.key(config.seed + 1)
+  log = MetricsLog(workdir, "sft", resume_step=start)
+  bar = tqdm(total=c.steps, initial=start, desc="sft", disable=not _show_progress(config))
+  with PreemptionGuard() as guard:
+    for s in range(start, c.steps):
+      epoch, pos = divmod(s * c.batch_size, n)
+      perm = np.asarray(jax.random.permutation(jax.random.fold_in(perm_key, epoch), n))
+      idx = perm[(pos + np.arange(c.batch_size)) % n]
+      batch = {k: jnp.asarray(demos[k][idx]) for k in ("tokens", "loss_mask", "length")}
+      t0 = time.perf_counter()
+      state, metrics = step_fn(state, batch)
+      metrics = jax.device_get(metrics)
+      check_finite(s + 1, metrics)
+      dt = time.perf_counter() - t0
+      if (s + 1) % config.log_every == 0 or s + 1 == c.steps:
+        log.write(s + 1, metrics, {"step_seconds": dt,
+                                   "tokens_per_second": float(np.sum(batch["length"])) / dt})
+      bar.update(1)
+      bar.set_postfix(loss=f"{float(metrics['loss']):.3f}")
+      phase.end_step(s + 1, state, guard)
+  phase.ckpt.wait_until_finished()
+  bar.close()
+  log.close()
+  return state.params
+
+
+def run_rl(config, workdir, policy: Policy, programs: Programs, params, fingerprint) -> Any:
+  c = sections.rl_config(config)
+  lcfg = c.learner
+  phase = _Phase("rl", config, workdir, fingerprint, c.steps)
+  optimizer, update = programs.update(lcfg, c.steps * lcfg.optimizer_steps_per_update)
+  # A copy: the update donates the train state, whose params start as these arrays.
+  ref_params = jax.tree.map(jnp.copy, params) if lcfg.kl_coef > 0 else None
+  if ref_params is not None and c.reference_on_host:
+    ref_params = offload_to_host(ref_params)
+  state = init_train_state(params, optimizer, jax.random.key(config.seed + 2), mesh=policy.mesh)
+  state, start = phase.restore(state)
+  if start >= c.steps:
+    logging.info("rl: already done (%d steps)", start)
+    return state.params
+  train = setup.load_tasks(config, workdir, "train")
+  key = jax.random.key(config.seed + 3)
+  log = MetricsLog(workdir, "rl", resume_step=start)
+  bar = tqdm(total=c.steps, initial=start, desc=f"rl {c.budget.spec}",
+             disable=not _show_progress(config))
+  with PreemptionGuard() as guard:
+    for s in range(start, c.steps):
+      k_budget, k_roll = jax.random.split(jax.random.fold_in(key, s))
+      budgets = c.budget.sample(s, k_budget, c.num_tasks)
+      tasks = task_data.tasks_from_arrays(programs.env,
+                                          _batch_slice(train, s * c.num_tasks, c.num_tasks))
+      t0 = time.perf_counter()
+      traj = programs.rollouts(state.params, k_roll, tasks, c.group_size, budgets,
+                               mesh=policy.mesh, max_turns=c.budget.max_turns,
+                               max_action_tokens=c.max_action_tokens or None,
+                               budget_visible=c.budget_visible, temperature=c.temperature)
+      stats = jax.device_get(trajectory_stats(traj))
+      t1 = time.perf_counter()
+      state, metrics = update(state, trim(traj), ref_params)
+      metrics = {**jax.device_get(metrics), **stats}
+      check_finite(s + 1, metrics)
+      t2 = time.perf_counter()
+      if (s + 1) % config.log_every == 0 or s + 1 == c.steps:
+        log.write(s + 1, metrics, {
+            "rollout_seconds": t1 - t0, "update_seconds": t2 - t1,
+            "sampled_tokens_per_second": float(stats["sampled_tokens"]) / (t1 - t0)})
+      bar.update(1)
+      bar.set_postfix(success=f"{float(stats['success_rate']):.2f}",
+                      turns=f"{float(stats['mean_turns']):.1f}")
+      phase.end_step(s + 1, state, guard)
+  phase.ckpt.wait_until_finished()
+  bar.close()
+  log.close()
+  return state.params
+
+
+def programs_for(config, policy: Policy, programs: Programs | None = None) -> Programs:
+  """`programs` when given (checked to serve this policy and environment), else new ones."""
+  spec = setup.env_spec(config)
+  if programs is None:
+    return Programs(policy.config, setup.make_env(config, policy.tokenizer), env_spec=spec)
+  if not programs.serves(policy.config, spec):
+    raise ValueError(f"the programs given were built for another model or environment "
+                     f"({programs.env_spec}); build them with this config's policy and env")
+  return programs
+
+
+def run(config: ml_collections.ConfigDict, workdir, *, programs: Programs | None = None) -> dict:
+  """Runs the config's phases in `workdir` (resuming), returns a summary dict.
+
+  programs: compiled functions to reuse (e.g. the study's, shared by its runs); default new ones.
+  """
+  workdir = pathlib.Path(workdir)
+  workdir.mkdir(parents=True, exist_ok=True)
+  sections.validate(config)
+  primary = distributed.is_primary()
+  if primary:
+    (workdir / "config.json").write_text(config.to_json_best_effort(indent=2))
+  policy = setup.load_policy(config)
+  programs = programs_for(config, policy, programs)
+  fingerprint = model_fingerprint(policy.config)
+  params = policy.params
+  if config.model.init_from:
+    params, phase, step = layout.latest_params(config.model.init_from,
+                                               layout.abstract_params(params))
+    logging.info("initialised from %s (%s step %d)", config.model.init_from, phase, step)
+  summary = {"workdir": str(workdir)}
+  if config.sft.steps > 0:
+    params = run_sft(config, workdir, policy, programs, params, fingerprint)
+    summary["sft_steps"] = config.sft.steps
+  if config.rl.steps > 0:
+    params = run_rl(config, workdir, policy, programs, params, fingerprint)
+    summary["rl_steps"] = config.rl.steps
+  if primary:
+    (workdir / "DONE").write_text(json.dumps(summary) + "\n")
+  return summary
