@@ -113,7 +113,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.max_to_keep = 2
   c.progress_bar = True
 
-  # Evaluation (jaxagent.eval.job; python -m launch.evaluate --config=... --workdir=DIR).
+  # Evaluation (jaxagent.eval.checkpoints; python -m launch.evaluate --config=... --workdir=DIR).
   c.eval = ml_collections.ConfigDict()
   # Episodes per test task: n of the Pass@(K,T) estimator (K = 1..n).
   c.eval.num_samples = 8

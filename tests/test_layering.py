@@ -36,6 +36,8 @@ def _imports(tree):
       if isinstance(child, ast.Import):
         out.extend((a.name, child.lineno, fn) for a in child.names
                    if a.name.startswith("jaxagent"))
+      elif isinstance(child, ast.ImportFrom) and child.module == "jaxagent":
+        out.extend((f"jaxagent.{a.name}", child.lineno, fn) for a in child.names)
       elif isinstance(child, ast.ImportFrom) and (child.module or "").startswith("jaxagent"):
         out.append((child.module, child.lineno, fn))
       visit(child, fn)

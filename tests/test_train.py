@@ -15,8 +15,9 @@ import pytest
 from configs.default import get_config
 from jaxagent import train
 from jaxagent.runs import layout, setup
+from jaxagent.runs.programs import Programs
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
+ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def _rl_only(steps, **over):
@@ -52,10 +53,21 @@ def _params(workdir, config):
 def test_resume_is_exact(tmp_path):
   data = tmp_path / "data"
   full, split = tmp_path / "full", tmp_path / "split"
-  train.run(_rl_only(4, **{"data.dir": str(data)}), full)
-  train.run(_rl_only(2, **{"data.dir": str(data)}), split)
+  config = _rl_only(4, **{"data.dir": str(data)})
+  model_config, tokenizer = setup.load_skeleton(config)
+  programs = Programs(model_config, setup.make_env(config, tokenizer),
+                      env_spec=setup.env_spec(config))
+  train.run(config, full, programs=programs)
+  train.run(_rl_only(2, **{"data.dir": str(data)}), split, programs=programs)
   # Same run, continued: a config with more steps resumes from the step-2 checkpoint.
-  train.run(_rl_only(4, **{"data.dir": str(data)}), split)
+  train.run(_rl_only(4, **{"data.dir": str(data)}), split, programs=programs)
+  # Ten RL steps over three runs, one rollout program traced once (budgets drawn from mix:1,2
+  # never recompile); one update per run length (the schedule's total steps are static).
+  assert programs.compiles == {"rollout": 1, "update": 2}
+  assert programs.rollouts.traces == 1
+  other = _rl_only(1, **{"env.difficulty.hops": 2})
+  with pytest.raises(ValueError, match="another model or environment"):
+    train.run(other, tmp_path / "other", programs=programs)
   a, b = _lines(full), _lines(split)
   assert [l["step"] for l in a] == [1, 2, 3, 4]
   assert a == b

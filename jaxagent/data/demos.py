@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 import tensorflow_datasets as tfds
 
-from jaxagent import envs
+import jaxagent.envs as envs
 from jaxagent.data import tasks as task_sets
 from jaxagent.envs import demos as env_demos
 

@@ -35,7 +35,7 @@ import jax
 import numpy as np
 import tensorflow_datasets as tfds
 
-from jaxagent import envs
+import jaxagent.envs as envs
 from jaxagent.models.builtin import BUILTIN_DIRS
 
 SPLITS = ("train", "validation", "test")

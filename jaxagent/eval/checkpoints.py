@@ -62,7 +62,7 @@ def _base_params(ev: Evaluator, config, workdir, phase: str):
 
 
 def _train_config(workdir, config) -> dict:
-  """The training run's budget settings: <workdir>/config.json when the trainer wrote one (else
+  """The training run's budget settings: <workdir>/config.json when training wrote one (else
   this config's), with the budget's arm (`Budget.arm`: fixed, mix or schedule)."""
   rl = config.rl
   found = {"budget": rl.budget, "budget_per": rl.budget_per, "steps": rl.steps,
