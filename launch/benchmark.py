@@ -51,8 +51,7 @@ from jaxagent.models import from_pretrained, sampler
 from jaxagent.models.policy import Policy, init_sharded
 from jaxagent.planning.flops import (bandwidth_bound, decode_bound_bytes, matmul_flops,
                                      param_counts, tree_bytes, update_flops, utilisation)
-from jaxagent.rollout import rollout
-from jaxagent.rollout.api import build_batch
+from jaxagent.rollout.api import Rollouts, build_batch
 from jaxagent.rollout.trajectory import trim
 
 _MODEL = flags.DEFINE_string("model", "builtin:micro", "builtin:NAME or a local HF directory.")
@@ -177,9 +176,12 @@ def naive_rollout(policy, host_env, tasks, budget: int, max_new: int, seed: int)
 
 
 def _rollout_fn(policy, env, tasks, group, turns, action_tokens=None):
+  """A run of `rollout`'s program, compiled once (the first, untimed run) and reused."""
+  rollouts = Rollouts(policy.config, env)
+
   def run():
-    traj = rollout(policy, env, jax.random.key(1), tasks, group, turns, max_turns=turns,
-                   max_action_tokens=action_tokens)
+    traj = rollouts(policy.params, jax.random.key(1), tasks, group, turns, mesh=policy.mesh,
+                    max_turns=turns, max_action_tokens=action_tokens)
     jax.block_until_ready(traj.tokens)
     return traj
   return run

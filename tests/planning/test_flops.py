@@ -4,7 +4,7 @@ decoding (the benchmark's measured ratios rest on these)."""
 
 import dataclasses
 
-import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -75,7 +75,7 @@ def test_decode_bound_by_hand():
 
 
 def test_tree_bytes():
-  tree = {"a": np.zeros((3, 4), np.float32), "b": [jax.numpy.zeros((5,), jax.numpy.bfloat16)]}
+  tree = {"a": np.zeros((3, 4), np.float32), "b": [jnp.zeros((5,), jnp.bfloat16)]}
   assert flops.tree_bytes(tree) == 3 * 4 * 4 + 5 * 2
 
 
