@@ -9,7 +9,7 @@ import pytest
 import jaxagent.envs as envs
 from jaxagent.learners import LearnerConfig, init_train_state, make_update_fn
 from jaxagent.models import from_pretrained
-from jaxagent.rollout import rollout
+from jaxagent.rollout import Rollouts
 from jaxagent.rollout.budget import Budget
 
 NUM_TASKS, GROUP, STEPS = 4, 2, 3
@@ -29,11 +29,12 @@ def test_rl_steps_end_to_end():
   # The update donates its state: train a copy, keep the policy's own params as the reference.
   state = init_train_state(jax.tree.map(jnp.copy, policy.params), optimizer, jax.random.key(0))
   key = jax.random.key(1)
+  rollouts = Rollouts(policy.config, env)
   for step in range(STEPS):
     k_budget, k_roll = jax.random.split(jax.random.fold_in(key, step))
     budgets = np.asarray(sampler.sample(step, k_budget, NUM_TASKS))                # [tasks]
-    traj = rollout(policy, env, k_roll, NUM_TASKS, GROUP, budgets,
-                   max_turns=sampler.max_turns, max_action_tokens=12, params=state.params)
+    traj = rollouts(state.params, k_roll, NUM_TASKS, GROUP, budgets,
+                    max_turns=sampler.max_turns, max_action_tokens=12)
     np.testing.assert_array_equal(traj.budget, np.repeat(budgets, GROUP))
     assert np.all(np.asarray(traj.num_turns) <= np.asarray(traj.budget))
     state, metrics = update(state, traj, ref_params)
@@ -45,6 +46,7 @@ def test_rl_steps_end_to_end():
     assert metrics["kl"] >= 0.0 and metrics["grad_norm"] > 0.0
     assert 0.0 <= metrics["clip_fraction"] <= 1.0
   assert update._cache_size() == 1          # new budgets, trajectories and params: one program
+  assert (rollouts.compiles, rollouts.traces) == (1, 1)   # and one rollout program
   moved = [float(jnp.max(jnp.abs(a - b)))
            for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(ref_params))]
   assert max(moved) > 0.0
