@@ -133,14 +133,16 @@ class Evaluator:
   # -- rollouts -------------------------------------------------------------------------------
 
   def rollouts(self, params, key, budget: int, *, budget_visible: bool, temperature: float,
-               group_size: int | None = None, oracle: bool = False,
+               group_size: int | None = None, oracle: bool = False, forced_action=None,
                env_set: EnvSet | None = None) -> Trajectory:
     """Episodes of every test task (group_size each, default num_samples), as one numpy
     Trajectory with rows task-major (row = task * group_size + j) and task_id = the index of
     the task in the test split. Tasks go in fixed-size batches (the last padded with task 0),
     batch i with key fold_in(key, i), so one program serves every call with the same T_max
-    (budgets are traced). oracle: the environment's oracle acts (forced), not the policy.
-    env_set: one of `self.extra` instead of the config's environment and test tasks."""
+    (budgets are traced). oracle: the environment's oracle acts (forced), not the policy;
+    forced_action: any other `(env_state, key) -> TokenBuffer` to force (one program per
+    function object). env_set: one of `self.extra` instead of the config's environment and test
+    tasks."""
     es = env_set or self.main
     g = int(group_size or self.e.num_samples)
     per = min(self.e.tasks_per_batch, es.num_tasks)
@@ -153,7 +155,7 @@ class Evaluator:
           params, jax.random.fold_in(key, i), _take(es.tasks, idx), g, budget,
           mesh=self.policy.mesh, max_turns=self.max_turns, max_action_tokens=es.action_tokens,
           budget_visible=budget_visible, temperature=temperature,
-          forced_action=es.programs.oracle if oracle else None)
+          forced_action=es.programs.oracle if oracle else forced_action)
       traj = jax.device_get(traj)
       keep = np.repeat(real, g)
       traj = _take(traj, keep)

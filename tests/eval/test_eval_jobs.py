@@ -152,7 +152,7 @@ def test_truncation_equals_rerun_when_budget_hidden(run_dir, ev):
     bad = jnp.where((state.turn + state.task.entities[0]) % 3 == 0, 1, 0)
     return good.replace(length=jnp.where(bad == 1, 1, good.length))   # a truncated call
 
-  t_max, n = ev.t_max, ev.config.eval.num_samples
+  t_max, n = ev.max_turns, ev.config.eval.num_samples
   for forced in (None, noisy_oracle):
     runs = [ev.rollouts(params, jax.random.key(7), t, budget_visible=False, temperature=0.0,
                         forced_action=forced) for t in range(1, t_max + 1)]
