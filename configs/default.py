@@ -27,6 +27,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.model.param_dtype = "float32"
   # A workdir whose latest checkpoint's params initialise this run ("" = the model's weights).
   c.model.init_from = ""
+  # Load weights holding NaN or Inf (logged, not refused): only to inspect a damaged checkpoint.
+  c.model.allow_nonfinite_weights = False
 
   # Mesh axis sizes; -1 takes the remaining devices.
   c.mesh = ml_collections.ConfigDict({"data": 1, "fsdp": -1, "tensor": 1})
@@ -106,6 +108,11 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.study.tight_budget = "fixed:4"
   c.study.generous_budget = "fixed:8"
   c.study.mix_budget = "mix:3,4,6,8"
+
+  # Divergence guard (beside the NaN guard): stop a run that cannot be learning after this many
+  # consecutive steps of it: gradients exactly zero (SFT; RL while the advantages are not all
+  # zero), or the SFT loss above loss_explode_factor x its first step's loss.
+  c.guard = ml_collections.ConfigDict({"stall_steps": 5, "loss_explode_factor": 10.0})
 
   # Logging and checkpoints.
   c.log_every = 1

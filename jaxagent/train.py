@@ -6,6 +6,13 @@ from the latest checkpoint and continues exactly as if never stopped: batch s al
 tasks, budgets and keys (folded from the seed and s). A finished phase is not redone. SIGTERM
 saves a checkpoint and exits cleanly. Per step: one line in `<workdir>/metrics.jsonl`, TensorBoard
 scalars, and a progress bar. The workdir layout is `jaxagent.runs.layout`'s.
+
+Guards: the whole config is validated before any compute (`jaxagent.runs.config`); one trainer
+at a time holds the workdir (`jaxagent.runs.lock`); a rerun with a config that differs in a key
+that matters refuses unless allowed, and every change is recorded (`jaxagent.runs.pinning`); a
+non-finite loss stops the run (NaN guard), and so does a run that cannot be learning
+(`config.guard`: gradients exactly zero, or an exploding SFT loss, for `stall_steps` consecutive
+steps).
 """
 
 from __future__ import annotations
@@ -31,6 +38,8 @@ from jaxagent.rollout.stats import trajectory_stats
 from jaxagent.rollout.trajectory import trim
 from jaxagent.runs import config as sections
 from jaxagent.runs import layout, setup
+from jaxagent.runs.lock import WorkdirLock
+from jaxagent.runs.pinning import pin_config
 from jaxagent.runs.programs import Programs
 from jaxagent.sharding import distributed
 
@@ -79,6 +88,46 @@ class _Phase:
                                                    FINGERPRINT_KEY: self.fingerprint}, force=force)
 
 
+class DivergenceError(RuntimeError):
+  """A run that cannot be learning (see `StallGuard`); the message names the likely cause."""
+
+
+class StallGuard:
+  """Counts consecutive steps in which the run cannot be learning and raises DivergenceError at
+  config.guard.stall_steps of them: the gradient norm exactly 0 where it should not be (SFT;
+  RL steps whose advantages are not all zero), or (SFT) the loss above loss_explode_factor x
+  the first step's loss."""
+
+  def __init__(self, config, phase: str):
+    g = sections.guard_config(config)
+    self.limit, self.factor, self.phase = g.stall_steps, g.loss_explode_factor, phase
+    self.zero = self.explode = 0
+    self.first_loss: float | None = None
+
+  def check(self, step: int, metrics: dict) -> None:
+    grad = float(metrics["grad_norm"])
+    learnable = self.phase == "sft" or float(metrics["advantage_abs_mean"]) > 0
+    self.zero = self.zero + 1 if grad == 0.0 and learnable else 0
+    if self.phase == "sft":
+      loss = float(metrics["loss"])
+      self.first_loss = loss if self.first_loss is None else self.first_loss
+      self.explode = self.explode + 1 if loss > self.factor * abs(self.first_loss) else 0
+    if self.zero >= self.limit:
+      raise DivergenceError(
+          f"{self.phase} step {step}: the gradient has been exactly zero for {self.zero} steps "
+          f"while there is something to learn; the policy is saturated (a learning rate far too "
+          f"large, e.g. config.{self.phase}{'.learner' if self.phase == 'rl' else ''}"
+          ".learning_rate) or the loss does not depend on the params. Lower the rate and restart "
+          "from an earlier checkpoint or a new workdir")
+    if self.explode >= self.limit:
+      raise DivergenceError(
+          f"{self.phase} step {step}: the loss ({float(metrics['loss']):.4g}) has been above "
+          f"{self.factor:g} x its first value ({self.first_loss:.4g}) for {self.explode} steps; "
+          "the run diverged (learning rate too large, or of the wrong sign). Lower "
+          f"config.{self.phase}.learning_rate and restart from an earlier checkpoint or a new "
+          "workdir")
+
+
 def _show_progress(config) -> bool:
   """Progress bars on the primary process only (one bar per job, not one per host)."""
   return bool(config.progress_bar) and distributed.is_primary()
@@ -98,6 +147,7 @@ def run_sft(config, workdir, policy: Policy, programs: Programs, params, fingerp
   perm_key = jax.random.key(config.seed + 1)
   log = MetricsLog(workdir, "sft", resume_step=start)
   bar = tqdm(total=c.steps, initial=start, desc="sft", disable=not _show_progress(config))
+  stall = StallGuard(config, "sft")
   with PreemptionGuard() as guard:
     for s in range(start, c.steps):
       epoch, pos = divmod(s * c.batch_size, n)
@@ -108,6 +158,7 @@ def run_sft(config, workdir, policy: Policy, programs: Programs, params, fingerp
       state, metrics = step_fn(state, batch)
       metrics = jax.device_get(metrics)
       check_finite(s + 1, metrics)
+      stall.check(s + 1, metrics)
       dt = time.perf_counter() - t0
       if (s + 1) % config.log_every == 0 or s + 1 == c.steps:
         log.write(s + 1, metrics, {"step_seconds": dt,
@@ -124,6 +175,8 @@ def run_sft(config, workdir, policy: Policy, programs: Programs, params, fingerp
 def run_rl(config, workdir, policy: Policy, programs: Programs, params, fingerprint) -> Any:
   c = sections.rl_config(config)
   lcfg = c.learner
+  setup.check_context(policy.config, programs.env, c.budget.max_turns, c.max_action_tokens,
+                      "config.rl.budget / config.rl.max_action_tokens")
   phase = _Phase("rl", config, workdir, fingerprint, c.steps)
   optimizer, update = programs.update(lcfg, c.steps * lcfg.optimizer_steps_per_update)
   # A copy: the update donates the train state, whose params start as these arrays.
@@ -140,6 +193,7 @@ def run_rl(config, workdir, policy: Policy, programs: Programs, params, fingerpr
   log = MetricsLog(workdir, "rl", resume_step=start)
   bar = tqdm(total=c.steps, initial=start, desc=f"rl {c.budget.spec}",
              disable=not _show_progress(config))
+  stall = StallGuard(config, "rl")
   with PreemptionGuard() as guard:
     for s in range(start, c.steps):
       k_budget, k_roll = jax.random.split(jax.random.fold_in(key, s))
@@ -156,6 +210,7 @@ def run_rl(config, workdir, policy: Policy, programs: Programs, params, fingerpr
       state, metrics = update(state, trim(traj), ref_params)
       metrics = {**jax.device_get(metrics), **stats}
       check_finite(s + 1, metrics)
+      stall.check(s + 1, metrics)
       t2 = time.perf_counter()
       if (s + 1) % config.log_every == 0 or s + 1 == c.steps:
         log.write(s + 1, metrics, {
@@ -182,17 +237,27 @@ def programs_for(config, policy: Policy, programs: Programs | None = None) -> Pr
   return programs
 
 
-def run(config: ml_collections.ConfigDict, workdir, *, programs: Programs | None = None) -> dict:
+def run(config: ml_collections.ConfigDict, workdir, *, programs: Programs | None = None,
+        allow_config_change: bool = False) -> dict:
   """Runs the config's phases in `workdir` (resuming), returns a summary dict.
 
   programs: compiled functions to reuse (e.g. the study's, shared by its runs); default new ones.
+  allow_config_change: continue a workdir whose pinned config differs in a key that matters
+    (`jaxagent.runs.pinning`; the change is recorded).
+  Raises ConfigError (bad or changed config, before any compute), WorkdirLockedError (another
+  trainer holds the workdir), FloatingPointError / DivergenceError (the run stopped learning).
   """
   workdir = pathlib.Path(workdir)
   workdir.mkdir(parents=True, exist_ok=True)
   sections.validate(config)
   primary = distributed.is_primary()
-  if primary:
-    (workdir / "config.json").write_text(config.to_json_best_effort(indent=2))
+  with WorkdirLock(workdir, "train", enabled=primary):
+    if primary:
+      pin_config(config, workdir, allow_change=allow_config_change)
+    return _run_phases(config, workdir, programs, primary)
+
+
+def _run_phases(config, workdir: pathlib.Path, programs: Programs | None, primary: bool) -> dict:
   policy = setup.load_policy(config)
   programs = programs_for(config, policy, programs)
   fingerprint = model_fingerprint(policy.config)

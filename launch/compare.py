@@ -7,8 +7,16 @@ Each workdir must have been evaluated first (python -m launch.evaluate ...). Wri
 D/{comparison.json, comparison.md, *.png} (see jaxagent.eval.compare).
 """
 
+import sys
+
 from absl import app, flags
 from ml_collections import config_flags
+
+from launch._flags import check_config_overrides
+
+# Before the flag is defined: defining it applies the overrides (and fails on a wrong key).
+if __name__ == "__main__":
+  check_config_overrides(sys.argv, None)
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file the runs share.",
                                           lock_config=True)

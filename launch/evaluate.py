@@ -10,8 +10,16 @@ Writes W/eval/<step>/{report.json, report.md, *.png, episodes.npz} (see jaxagent
 Rerun mode: --config.eval.mode=rerun --config.eval.rerun_budgets=2,4,8.
 """
 
+import sys
+
 from absl import app, flags
 from ml_collections import config_flags
+
+from launch._flags import check_config_overrides
+
+# Before the flag is defined: defining it applies the overrides (and fails on a wrong key).
+if __name__ == "__main__":
+  check_config_overrides(sys.argv, None)
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file (get_config(arg)).",
                                           lock_config=True)

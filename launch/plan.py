@@ -15,7 +15,13 @@ import sys
 from absl import app, flags
 from ml_collections import config_flags
 
+from launch._flags import check_config_overrides
+
 from jaxagent.planning import memory
+
+# Before the flag is defined: defining it applies the overrides (and fails on a wrong key).
+if __name__ == "__main__":
+  check_config_overrides(sys.argv, None)
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file (get_config(arg)).",
                                           lock_config=True)

@@ -6,10 +6,17 @@ evaluation of all four, and the comparison report. Continues a killed run.
 
 import json
 import pathlib
+import sys
 import time
 
 from absl import app, flags
 from ml_collections import config_flags
+
+from launch._flags import check_config_overrides
+
+# Before the flag is defined: defining it applies the overrides (and fails on a wrong key).
+if __name__ == "__main__":
+  check_config_overrides(sys.argv, "configs/default.py")
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/default.py",
                                           "Config file (get_config(arg)).", lock_config=True)

@@ -15,6 +15,7 @@ import pytest
 from configs.default import get_config
 from jaxagent import train
 from jaxagent.runs import layout, setup
+from jaxagent.runs.lock import WorkdirLockedError
 from jaxagent.runs.programs import Programs
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -112,11 +113,24 @@ def test_launch_smoke_end_to_end_and_sigterm(tmp_path):
       break
     time.sleep(0.5)
   assert proc.poll() is None, proc.communicate()[0][-3000:]
+  # A second trainer on the same workdir (this process) refuses at once, naming the holder, and
+  # writes nothing.
+  before = metrics.read_text()
+  config = get_config("smoke")
+  config.rl.steps, config.checkpoint_every = 6, 100
+  t0 = time.time()
+  with pytest.raises(WorkdirLockedError, match=f'"pid": {proc.pid}'):
+    train.run(config, work)
+  assert time.time() - t0 < 5
+  assert metrics.read_text().startswith(before)
   proc.send_signal(signal.SIGTERM)
   out = proc.communicate(timeout=300)[0]
   assert "preempted" in out, out[-3000:]
   steps = sorted(int(p.name) for p in (work / "checkpoints" / "rl").iterdir() if p.name.isdigit())
   assert steps and steps[-1] < 6            # saved at the step it stopped, not at an interval
+  # What a crash in mid-write leaves: the resume drops the partial line.
+  with open(metrics, "a") as f:
+    f.write('{"phase": "rl", "step": 9, "loss": 0.1')
   proc = _launch(work, *flags)
   out = proc.communicate(timeout=900)[0]
   assert proc.returncode == 0, out[-3000:]

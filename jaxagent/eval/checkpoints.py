@@ -38,6 +38,7 @@ from jaxagent.eval.evaluator import TRAJ_FIELDS, Evaluator, trajectory_summary
 from jaxagent.rollout.budget import Budget
 from jaxagent.runs import config as sections
 from jaxagent.runs import layout
+from jaxagent.runs.lock import WorkdirLock
 from jaxagent.sharding import distributed
 
 POLICY, BASE = "policy", "base"
@@ -96,13 +97,25 @@ def _episodes_arrays(ev: Evaluator, success_by_t, traj, analyses) -> dict:
   return out
 
 
+def _eval_lock(workdir) -> WorkdirLock:
+  """One evaluator writes a workdir's eval/ at a time (a trainer may run beside it)."""
+  return WorkdirLock(workdir, "eval", enabled=distributed.is_primary())
+
+
 def evaluate_checkpoint(config, workdir, step: int | None = None, *,
                         evaluator: Evaluator | None = None, phase: str | None = None) -> dict:
   """Evaluates one checkpoint of `workdir` (default: the latest) and writes its eval directory.
 
   Returns the report dict (also in report.json), with "dir" the output directory.
-  Raises FileNotFoundError (naming the fix) when the workdir or step has no checkpoint.
+  Raises FileNotFoundError (naming the fix) when the workdir or step has no checkpoint, and
+  WorkdirLockedError when another evaluator is writing this workdir's evaluations.
   """
+  with _eval_lock(workdir):
+    return _evaluate_checkpoint(config, workdir, step, evaluator=evaluator, phase=phase)
+
+
+def _evaluate_checkpoint(config, workdir, step: int | None = None, *,
+                         evaluator: Evaluator | None = None, phase: str | None = None) -> dict:
   workdir = pathlib.Path(workdir)
   e = sections.eval_config(config)
   phase, step = layout.resolve_checkpoint(workdir, e.phase if phase is None else phase, step)
@@ -236,8 +249,9 @@ def evaluate_all(config, workdir, *, evaluator: Evaluator | None = None) -> list
   if not have:
     raise FileNotFoundError(f"no checkpoint under {pathlib.Path(workdir) / 'checkpoints'}: train "
                             "first, or fix --workdir")
-  ev = evaluator or Evaluator(config, workdir)
-  return [evaluate_checkpoint(config, workdir, s, evaluator=ev, phase=p) for p, s in have]
+  with _eval_lock(workdir):
+    ev = evaluator or Evaluator(config, workdir)
+    return [_evaluate_checkpoint(config, workdir, s, evaluator=ev, phase=p) for p, s in have]
 
 
 def watch(config, workdir, *, poll_seconds: float = 60.0, timeout_seconds: float = 3600.0,
@@ -249,6 +263,12 @@ def watch(config, workdir, *, poll_seconds: float = 60.0, timeout_seconds: float
   `timeout_seconds`. A checkpoint deleted before its turn (max_to_keep) is skipped.
   """
   workdir = pathlib.Path(workdir)
+  with _eval_lock(workdir):
+    return _watch(config, workdir, poll_seconds, timeout_seconds, evaluator)
+
+
+def _watch(config, workdir: pathlib.Path, poll_seconds: float, timeout_seconds: float,
+           evaluator: Evaluator | None) -> list[dict]:
   ev = evaluator
   done: list[dict] = []
   last_new = time.monotonic()
@@ -262,7 +282,7 @@ def watch(config, workdir, *, poll_seconds: float = 60.0, timeout_seconds: float
     for p, s in todo:
       ev = ev or Evaluator(config, workdir)
       try:
-        done.append(evaluate_checkpoint(config, workdir, s, evaluator=ev, phase=p))
+        done.append(_evaluate_checkpoint(config, workdir, s, evaluator=ev, phase=p))
       except FileNotFoundError as err:
         logging.warning("skipping %s step %d: %s", p, s, err)
       last_new = time.monotonic()

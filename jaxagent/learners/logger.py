@@ -1,9 +1,12 @@
 """Metrics for people watching long jobs: one JSON line per step in `metrics.jsonl`, TensorBoard
 event files, and a progress bar.
 
-`metrics.jsonl` is append-only and resume-safe: `MetricsLog(path, resume_step=s)` first drops
-lines of the same phase with step > s (written after the checkpoint a resumed run restarts from),
-so a killed-and-resumed run leaves the same file as an uninterrupted one.
+`metrics.jsonl` is append-only and resume-safe: `MetricsLog(path, resume_step=s)` first repairs
+it: a partial last line (what a crash in mid-write leaves) is dropped, and so are lines of the
+same phase with step > s (written after the checkpoint a resumed run restarts from), so a
+killed-and-resumed run leaves the same file as an uninterrupted one. A damaged line before the
+last is not guessed at: it raises `ValueError` naming the file and the line. Only the process
+holding the workdir's train lock (`jaxagent.runs.lock`) writes it.
 
 On a multi-host job every process computes the same (global) metrics; only the primary process
 (`jax.process_index() == 0`) writes them, so each line and event is written once.
@@ -17,6 +20,7 @@ import os
 import pathlib
 
 import numpy as np
+from absl import logging
 
 from jaxagent.sharding import distributed
 
@@ -37,9 +41,8 @@ class MetricsLog:
     if not self.primary:
       return
     if self.path.exists():
-      kept = [l for l in self.path.read_text().splitlines()
-              if l.strip() and not (json.loads(l).get("phase") == phase
-                                    and json.loads(l).get("step", 0) > resume_step)]
+      kept = [json.dumps(d) for d in read_metrics(self.path)
+              if not (d["phase"] == phase and d["step"] > resume_step)]
       tmp = self.path.with_suffix(".tmp")
       tmp.write_text("".join(l + "\n" for l in kept))
       os.replace(tmp, self.path)
@@ -68,6 +71,32 @@ class MetricsLog:
   def close(self):
     if self._tb is not None:
       self._tb.close()
+
+
+def read_metrics(path) -> list[dict]:
+  """The lines of a metrics.jsonl as dicts; a partial last line (a crash in mid-write) is
+  dropped with a warning; any other unreadable line raises ValueError naming file and line."""
+  path = pathlib.Path(path)
+  text = path.read_text()
+  lines = text.split("\n")
+  out = []
+  for i, line in enumerate(lines):
+    if not line.strip():
+      continue
+    try:
+      d = json.loads(line)
+      if not isinstance(d, dict) or "phase" not in d or "step" not in d:
+        raise ValueError("not a metrics line")
+    except ValueError as e:
+      last = i == len(lines) - 1 or all(not l.strip() for l in lines[i + 1:])
+      if last:
+        logging.warning("%s: dropping a partial last line (%d characters; a run stopped in "
+                        "mid-write)", path, len(line))
+        continue
+      raise ValueError(f"{path}, line {i + 1}: unreadable ({e}): {line[:80]!r}; fix or delete "
+                       "that line, then rerun") from None
+    out.append(d)
+  return out
 
 
 def check_finite(step: int, metrics: dict, keys=("loss",)) -> None:

@@ -24,7 +24,9 @@ Every section is a frozen, hashable dataclass (usable as a cache key of compiled
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
+import math
 import typing
 from typing import Any, Callable, Mapping
 
@@ -69,6 +71,10 @@ class SFTConfig:
     _require(self.max_grad_norm >= 0,
              f"config.sft.max_grad_norm must be >= 0 (0 disables clipping), got "
              f"{self.max_grad_norm}")
+    _learning_rate("sft.learning_rate", self.learning_rate)
+    _require(self.steps == 0 or self.warmup_steps < self.steps,
+             f"config.sft.warmup_steps ({self.warmup_steps}) must be < config.sft.steps "
+             f"({self.steps}): the cosine schedule decays over the steps after the warmup")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,6 +99,13 @@ class RLConfig:
     for key in ("steps", "max_action_tokens", "temperature"):
       value = getattr(self, key)
       _require(value >= 0, f"config.rl.{key} must be >= 0, got {value}")
+    batch = self.num_tasks * self.group_size
+    _require(batch % self.learner.minibatches == 0,
+             f"config.rl.learner.minibatches ({self.learner.minibatches}) must divide the "
+             f"episodes per step, config.rl.num_tasks x config.rl.group_size = {batch}")
+    _require(self.max_action_tokens != 1,
+             "config.rl.max_action_tokens must be 0 (the environment's limit) or >= 2 (it "
+             "counts the end-of-turn token), got 1")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -207,7 +220,7 @@ def _check(name: str, key: str, value, kind):
   ok = (any(_type_ok(value, k) for k in kind) if isinstance(kind, tuple)
         else _type_ok(value, kind))
   if not ok:
-    raise ConfigError(f"config.{name}.{key} must be {_type_name(kind)}, got {value!r}")
+    raise ConfigError(f"{_key(name, key)} must be {_type_name(kind)}, got {value!r}")
   return float(value) if kind is float else value
 
 
@@ -227,12 +240,12 @@ def _read(cls, section: ml_collections.ConfigDict | Mapping, name: str,
   valid = fields + [k for k in extra if k not in fields]
   unknown = sorted(set(items) - set(valid))
   if unknown:
-    raise ConfigError(f"config.{name}: unknown key(s) "
-                      f"{', '.join(f'config.{name}.{k}' for k in unknown)}; valid keys: "
-                      f"{', '.join(valid)}")
+    raise ConfigError(f"{'config.' + name if name else 'config'}: unknown key(s) "
+                      f"{', '.join(_key(name, k) for k in unknown)}"
+                      f"{suggest(unknown, valid, name)}; valid keys: {', '.join(valid)}")
   for key in valid:
     if key not in items:
-      raise ConfigError(f"config.{name}.{key} is missing; add it to the config ({_DEFAULTS})")
+      raise ConfigError(f"{_key(name, key)} is missing; add it to the config ({_DEFAULTS})")
   plain = {}
   for key in valid:
     if key in convert:
@@ -249,8 +262,22 @@ def _read(cls, section: ml_collections.ConfigDict | Mapping, name: str,
     except ConfigError:
       raise
     except ValueError as e:
-      raise ConfigError(f"config.{name}.{key}: {e}") from e
+      raise ConfigError(f"{_key(name, key)}: {e}") from e
   return cls(**values)
+
+
+def _key(name: str, key: str) -> str:
+  """The full name of a key: config.<section>.<key> (config.<key> at the top level)."""
+  return f"config.{name}.{key}" if name else f"config.{key}"
+
+
+def suggest(unknown, valid, name: str) -> str:
+  """" (did you mean config.<name>.<key>?)" for the first unknown key with a close valid one."""
+  for k in unknown:
+    near = difflib.get_close_matches(k, list(valid), n=1, cutoff=0.6)
+    if near:
+      return f" (did you mean {_key(name, near[0])}?)"
+  return ""
 
 
 # -- parsers ----------------------------------------------------------------------------------
@@ -318,10 +345,24 @@ def _learner(section, plain: dict) -> LearnerConfig:
   if "temperature" in items:
     raise ConfigError("config.rl.learner.temperature: set config.rl.temperature instead (the "
                       "learner recomputes log-probs at the rollout temperature)")
+  fields = [f.name for f in dataclasses.fields(LearnerConfig) if f.name != "temperature"]
+  unknown = sorted(set(items) - set(fields))
+  if unknown:
+    raise ConfigError(f"config.rl.learner: unknown key(s) "
+                      f"{', '.join(f'config.rl.learner.{k}' for k in unknown)}"
+                      f"{suggest(unknown, fields, 'rl.learner')}; valid keys: {', '.join(fields)}")
   try:
-    return LearnerConfig.from_config({**items, "temperature": plain["temperature"]})
+    learner = LearnerConfig.from_config({**items, "temperature": plain["temperature"]})
   except ValueError as e:
     raise ConfigError(f"config.rl.learner: {e}") from e
+  _learning_rate("rl.learner.learning_rate", learner.learning_rate)
+  return learner
+
+
+def _learning_rate(key: str, lr: float) -> None:
+  _require(math.isfinite(lr) and 0 < lr <= 1,
+           f"config.{key} must be in (0, 1], got {lr} (a negative rate climbs the loss, a huge one "
+           "saturates the policy so every gradient is zero; typical: 1e-5 to 1e-3)")
 
 
 _SECTION = (ml_collections.ConfigDict, ml_collections.FrozenConfigDict, dict)
@@ -359,8 +400,116 @@ def eval_config(config) -> EvalConfig:
                         "extra_envs": _Convert(str, _extra_envs)})
 
 
+@dataclasses.dataclass(frozen=True)
+class ModelSection:
+  """config.model: which weights, in which dtypes, started from where."""
+  path: str
+  dtype: str
+  param_dtype: str
+  init_from: str
+  allow_nonfinite_weights: bool
+
+  def __post_init__(self):
+    _require(bool(self.path), "config.model.path is empty; pass --config.model.path=DIR (a local "
+             "Hugging Face directory) or builtin:NAME")
+    for key in ("dtype", "param_dtype"):
+      value = getattr(self, key)
+      _require(value in DTYPES, f"config.model.{key} must be one of {DTYPES}, got {value!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+  """config.data: the fixed task splits and the SFT demonstrations."""
+  dir: str
+  seed: int
+  num_train: int
+  num_validation: int
+  num_test: int
+  demo_episodes_per_task: int
+  demo_error_rate: float
+  demo_recovery_rate: float
+  demo_max_turns: int
+  demo_max_len: int
+
+  def __post_init__(self):
+    for key in ("num_train", "num_validation", "num_test", "demo_episodes_per_task",
+                "demo_max_turns", "demo_max_len"):
+      value = getattr(self, key)
+      _require(value >= 1, f"config.data.{key} must be >= 1, got {value}")
+    for key in ("demo_error_rate", "demo_recovery_rate"):
+      value = getattr(self, key)
+      _require(0 <= value <= 1, f"config.data.{key} must be in [0, 1], got {value}")
+
+
+@dataclasses.dataclass(frozen=True)
+class GuardConfig:
+  """config.guard: when a run that cannot be learning stops (beside the NaN guard)."""
+  stall_steps: int            # consecutive steps of the conditions below that stop the run
+  loss_explode_factor: float  # SFT: loss above this x the first step's loss
+
+  def __post_init__(self):
+    _require(self.stall_steps >= 1, f"config.guard.stall_steps must be >= 1, got "
+             f"{self.stall_steps}")
+    _require(self.loss_explode_factor > 1, f"config.guard.loss_explode_factor must be > 1, got "
+             f"{self.loss_explode_factor}")
+
+
+@dataclasses.dataclass(frozen=True)
+class RunSection:
+  """The run config's top-level keys."""
+  seed: int
+  num_devices: int
+  log_every: int
+  checkpoint_every: int
+  max_to_keep: int
+  progress_bar: bool
+
+  def __post_init__(self):
+    _require(self.num_devices >= 0, f"config.num_devices must be >= 0 (0: all), got "
+             f"{self.num_devices}")
+    for key in ("log_every", "checkpoint_every", "max_to_keep"):
+      value = getattr(self, key)
+      _require(value >= 1, f"config.{key} must be >= 1, got {value}")
+
+
+DTYPES = ("float32", "bfloat16", "float16")
+# The sections of a run config; the typed ones are read by the functions below.
+SECTIONS = ("model", "mesh", "env", "data", "sft", "rl", "study", "eval", "guard")
+
+
+def model_config(config) -> ModelSection:
+  return _read(ModelSection, _section(config, "model"), "model")
+
+
+def data_config(config) -> DataConfig:
+  return _read(DataConfig, _section(config, "data"), "data")
+
+
+def guard_config(config) -> GuardConfig:
+  return _read(GuardConfig, _section(config, "guard"), "guard")
+
+
+def run_section(config) -> RunSection:
+  """The top-level keys; unknown top-level keys or sections raise (with the nearest key)."""
+  fields = [f.name for f in dataclasses.fields(RunSection)]
+  valid = fields + list(SECTIONS)
+  unknown = sorted(set(config.keys()) - set(valid))
+  if unknown:
+    near = [difflib.get_close_matches(k, valid, n=1, cutoff=0.6) for k in unknown]
+    hint = next((f" (did you mean config.{n[0]}?)" for n in near if n), "")
+    raise ConfigError(f"config: unknown key(s) {', '.join(f'config.{k}' for k in unknown)}"
+                      f"{hint}; valid keys: {', '.join(valid)}")
+  top = {k: config[k] for k in fields if k in config}
+  return _read(RunSection, top, "")
+
+
 def validate(config) -> None:
-  """Reads the sft, rl and eval sections; raises the first ConfigError."""
+  """Reads every typed section (top-level keys, model, data, guard, sft, rl, eval); raises the
+  first ConfigError, naming the key, the bad value and the accepted range."""
+  run_section(config)
+  model_config(config)
+  data_config(config)
+  guard_config(config)
   sft_config(config)
   rl_config(config)
   eval_config(config)

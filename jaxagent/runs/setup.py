@@ -19,7 +19,9 @@ from jaxagent.data import demos as demo_data
 from jaxagent.data import tasks as task_data
 from jaxagent.models import ModelConfig, Policy, from_pretrained
 from jaxagent.models.policy import load_config_and_tokenizer
+from jaxagent.rollout.api import default_context_len
 from jaxagent.runs import layout
+from jaxagent.runs.config import ConfigError
 from jaxagent.sharding import distributed, make_mesh
 
 
@@ -50,6 +52,20 @@ def make_env(config, tokenizer):
     raise ValueError(f"config.env.name={config.env.name!r} is not an environment; choose one of "
                      f"{envs.names()}")
   return envs.make(config.env.name, tokenizer, **dict(config.env.difficulty))
+
+
+def check_context(model_config: ModelConfig, env, max_turns: int, max_action_tokens: int,
+                  what: str) -> int:
+  """The context a rollout of `max_turns` turns needs (`default_context_len`); raises
+  ConfigError when it exceeds the model's max_position_embeddings (positions past it were never
+  trained, and RoPE tables may not cover them). `what` names the keys that set it."""
+  need = default_context_len(env, max_turns, max_action_tokens or env.max_action_len)
+  have = model_config.max_position_embeddings
+  if need > have:
+    raise ConfigError(f"{what}: a rollout of {max_turns} turns needs up to {need} tokens of "
+                      f"context, more than the model's max_position_embeddings ({have}); lower "
+                      "the budget or the tokens per turn, or use a model with a longer context")
+  return need
 
 
 def build_once(name: str, build) -> None:

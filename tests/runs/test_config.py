@@ -69,6 +69,9 @@ def test_smoke_values():
 @pytest.mark.parametrize("variant", sorted(hf.VARIANTS))
 def test_hf_variants_build(variant):
   c = hf.get_config(variant)
+  with pytest.raises(rc.ConfigError, match=r"config\.model\.path is empty; pass --config"):
+    rc.validate(c)                       # the variant's checkpoint directory is the user's to give
+  c.model.path = "/models/" + hf.VARIANTS[variant][0]
   rc.validate(c)
   assert rc.rl_config(c).learner.minibatches == hf.VARIANTS[variant][3]
 
@@ -85,7 +88,8 @@ def test_unknown_key():
   _bad(lambda c: setattr(c.rl, "nonexistent", 1),
        r"config\.rl: unknown key\(s\) config\.rl\.nonexistent; valid")
   _bad(lambda c: setattr(c.sft, "stpes", 1),
-       r"config\.sft: unknown key.*config\.sft\.stpes; valid keys: steps")
+       r"config\.sft: unknown key.*config\.sft\.stpes \(did you mean config\.sft\.steps\?\); "
+       r"valid keys: steps")
   _bad(lambda c: setattr(c.eval, "turns", 1), r"config\.eval: unknown key")
 
 
@@ -146,7 +150,8 @@ def test_bad_budget():
 
 def test_bad_learner():
   _bad(lambda c: setattr(c.rl.learner, "kl_coeff", 0.1),
-       r"config\.rl\.learner: learner config: unknown keys \['kl_coeff'\]")
+       r"config\.rl\.learner: unknown key\(s\) config\.rl\.learner\.kl_coeff \(did you mean "
+       r"config\.rl\.learner\.kl_coef\?\)")
   _bad(lambda c: setattr(c.rl.learner, "loss", "ppo"), r"config\.rl\.learner: .*unknown loss")
   _bad(lambda c: setattr(c.rl.learner, "temperature", 0.5),
        r"config\.rl\.learner\.temperature: set config\.rl\.temperature")
