@@ -101,6 +101,11 @@ class ModelConfig:
     missing = [k for k in required if k not in hf]
     if missing:
       raise CheckpointError(f"{source}: missing keys {missing}; is this a causal-LM config.json?")
+    for k in required + ("num_key_value_heads", "head_dim"):
+      v = hf.get(k)
+      if v is not None and (type(v) is not int or v <= 0):
+        raise CheckpointError(f"{source}: {k} is {v!r}, but it must be a positive integer; "
+                              "repair config.json or use the one saved with the weights")
     if hf.get("use_sliding_window", False):
       raise CheckpointError(f"{source}: use_sliding_window=true is not supported; set it to false "
                             "(Qwen2.5 checkpoints ship with it false).")

@@ -6,6 +6,11 @@ Import reads a local HF directory (config.json, `model.safetensors` or sharded s
 that one device holds. No full host copy of the model ever exists, and on a multi-host mesh each
 host reads only its own shards.
 
+Import validates what it reads and raises `CheckpointError` naming the file (and the tensor) and
+the fix: headers against file sizes, every tensor's presence and shape against config.json, tensors
+the model would not use (e.g. more layers than num_hidden_layers), and non-finite values (checked
+on each shard as it is read, so the check streams with the read).
+
 Export writes a directory that `transformers` loads (`AutoModelForCausalLM.from_pretrained`).
 """
 
@@ -15,19 +20,26 @@ import dataclasses
 import json
 import os
 import pathlib
+import re
 from typing import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from absl import logging
 
 from jaxagent.models import decoder
 from jaxagent.models.config import CheckpointError, ModelConfig
-from jaxagent.models.safetensors_io import SafetensorsFile, save_file
+from jaxagent.models.safetensors_io import SafetensorsFile, all_finite, count_nonfinite, save_file
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
+# Tensors HF checkpoints may carry that the model legitimately does not read: rotary inverse
+# frequencies (older Llama files save the buffer; we compute it from config.json).
+_IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+_SHOW = 4   # how many tensor names an error lists
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,6 +116,10 @@ def read_config(path: pathlib.Path, dtype: str | None, param_dtype: str | None =
     hf = json.loads(cfg_file.read_text())
   except json.JSONDecodeError as e:
     raise CheckpointError(f"{cfg_file}: not valid JSON ({e}); re-download or repair it") from e
+  if not isinstance(hf, dict):
+    raise CheckpointError(f"{cfg_file}: holds a JSON {type(hf).__name__}, not an object of "
+                          "model settings; re-download or repair it (it must be the model's "
+                          "Hugging Face config.json)")
   return ModelConfig.from_hf(hf, source=str(cfg_file), dtype=dtype, param_dtype=param_dtype)
 
 
@@ -118,7 +134,15 @@ def _weight_files(path: pathlib.Path) -> dict[str, pathlib.Path]:
   """HF tensor name -> file holding it."""
   index = path / INDEX_FILE
   if index.exists():
-    weight_map = json.loads(index.read_text())["weight_map"]
+    try:
+      weight_map = json.loads(index.read_text())
+    except json.JSONDecodeError as e:
+      raise CheckpointError(f"{index}: not valid JSON ({e}); re-download it") from e
+    weight_map = weight_map.get("weight_map") if isinstance(weight_map, dict) else None
+    if not isinstance(weight_map, dict) or not all(
+        isinstance(f, str) for f in weight_map.values()):
+      raise CheckpointError(f"{index}: no \"weight_map\" object of tensor name -> shard file; "
+                            "re-download it")
     files = {f: path / f for f in set(weight_map.values())}
     for f, p in files.items():
       if not p.exists():
@@ -136,11 +160,54 @@ def _weight_files(path: pathlib.Path) -> dict[str, pathlib.Path]:
                         "weights into this directory")
 
 
-def load_params(path: pathlib.Path, cfg: ModelConfig, shardings=None) -> dict:
+def _natural(name: str):
+  """Sort key that orders model.layers.10 after model.layers.9."""
+  return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", name)]
+
+
+def _listing(names: list[str]) -> str:
+  """'tensor 'a' is' or 'tensors 'a', 'b' and 3 more are'."""
+  more = f" and {len(names) - _SHOW} more" if len(names) > _SHOW else ""
+  shown = ", ".join(repr(n) for n in names[:_SHOW]) + more
+  return f"tensor {shown} is" if len(names) == 1 else f"tensors {shown} are"
+
+
+def _check_unused(path: pathlib.Path, cfg: ModelConfig, where: dict[str, pathlib.Path],
+                  used: set[str]) -> None:
+  """Raises if the files hold tensors the model of config.json would not read (O(names))."""
+  skip = {"lm_head.weight"} if cfg.tie_word_embeddings else set()
+  unused = sorted((n for n in where if n not in used and n not in skip
+                   and not n.endswith(_IGNORED_SUFFIXES)), key=_natural)
+  if not unused:
+    return
+  layers = [int(m.group(1)) for m in map(_LAYER.match, where) if m]
+  n_layers = max(layers) + 1 if layers else 0
+  if n_layers > cfg.num_layers:
+    extra = [n for n in unused if (m := _LAYER.match(n)) and int(m.group(1)) >= cfg.num_layers]
+    raise CheckpointError(
+        f"{where[extra[0]]}: {_listing(extra)} not used: {path / 'config.json'} has "
+        f"num_hidden_layers={cfg.num_layers} but the weights have {n_layers} layers "
+        f"(model.layers.0 to model.layers.{n_layers - 1}); set num_hidden_layers to {n_layers} "
+        "if these weights are right, or use the config.json that was saved with them")
+  raise CheckpointError(
+      f"{where[unused[0]]}: {_listing(unused)} not used by the {cfg.model_type} "
+      f"model that {path / 'config.json'} describes; the config and the weights come from "
+      "different models or variants (check model_type, attention_bias, mlp_bias and "
+      "tie_word_embeddings), or the weights hold parameters jaxagent does not support; use the "
+      "config.json that was saved with these weights")
+
+
+def load_params(path: pathlib.Path, cfg: ModelConfig, shardings=None,
+                allow_nonfinite: bool = False) -> dict:
   """Reads params from safetensors, each placed with its sharding as it is read.
+
+  Everything but the values is validated first, from the headers alone: every tensor the config
+  needs is present with its shape, and no tensor is left unused. Values are checked to be finite
+  on each shard as it is read.
 
   Args:
     shardings: pytree like the params of `jax.sharding.Sharding` (default: first device).
+    allow_nonfinite: load NaN/Inf weights with a warning naming them, instead of raising.
   """
   where = _weight_files(path)
   files: dict[pathlib.Path, SafetensorsFile] = {}
@@ -153,34 +220,90 @@ def load_params(path: pathlib.Path, cfg: ModelConfig, shardings=None) -> dict:
     f = where[name]
     if f not in files:
       files[f] = SafetensorsFile(f)
+    if name not in files[f]:
+      raise CheckpointError(f"{f}: tensor {name!r} is not in this file, but {path / INDEX_FILE} "
+                            "says it is; the index and the shards come from different saves "
+                            "(re-download the checkpoint)")
     return files[f].get(name)
 
   _, shapes = decoder.abstract_params(cfg)
   dtype = cfg.jnp_param_dtype
-  params: dict = {}
-  for e in _entries(cfg):
-    want = _get(shapes, e.path).shape
-    n_layers = cfg.num_layers if e.stacked else None
-    names = [e.hf_name.format(i=i) for i in range(n_layers)] if e.stacked else [e.hf_name]
-    for name in names:   # validate every shape before any compute
+  entries = [(e, [e.hf_name.format(i=i) for i in range(cfg.num_layers)] if e.stacked
+              else [e.hf_name]) for e in _entries(cfg)]
+  for e, names in entries:   # validate every name and shape before any compute
+    for name in names:
       x = tensor(name)
       if tuple(x.shape) != e.hf_shape:
         raise CheckpointError(
             f"{where[name]}: tensor {name!r} has shape {tuple(x.shape)}, but config.json implies "
             f"{e.hf_shape}; the config and the weights come from different models (use the "
             "config.json that was saved with these weights)")
+  _check_unused(path, cfg, where, {n for _, names in entries for n in names})
+  if cfg.tie_word_embeddings and "lm_head.weight" in where:
+    _check_tied(where, tensor("model.embed_tokens.weight"), tensor("lm_head.weight"))
+
+  nonfinite: dict[str, str] = {}   # tensor name -> what is wrong (allow_nonfinite=True)
+
+  def check_finite(name: str, src: np.ndarray, out: np.ndarray) -> None:
+    """`out` is `src` (part of tensor `name`) converted to the param dtype."""
+    if all_finite(out) or name in nonfinite:
+      return
+    if all_finite(src):
+      problem = (f"has values beyond the range of {np.dtype(dtype).name} (max |x| = "
+                 f"{float(np.abs(src.astype(np.float32)).max()):.4g}), which become Inf when "
+                 "converted")
+      fix = "load it with param_dtype float32 or bfloat16"
+    else:
+      nan, inf = count_nonfinite(tensor(name))
+      problem = f"holds {nan} NaN and {inf} Inf values (of {tensor(name).size})"
+      fix = ("the weights are corrupted (a diverged training run or a damaged file): re-export or "
+             "re-download them")
+    if not allow_nonfinite:
+      raise CheckpointError(f"{where[name]}: tensor {name!r} {problem}; {fix}, or pass "
+                            "allow_nonfinite=True to from_pretrained to load them anyway")
+    nonfinite[name] = f"{where[name]}: tensor {name!r} {problem}"
+
+  params: dict = {}
+  for e, names in entries:
+    want = _get(shapes, e.path).shape
     sharding = (_get(shardings, e.path) if shardings is not None
                 else jax.sharding.SingleDeviceSharding(jax.devices()[0]))
 
+    @np.errstate(over="ignore")   # a cast's overflow is reported by check_finite
     def read(index, e=e, names=names):
-      if e.stacked:
-        layers = range(len(names))[index[0]]
-        parts = [e.to_ours(tensor(names[i]))[index[1:]] for i in layers]
-        return np.stack(parts).astype(dtype)
-      return np.asarray(e.to_ours(tensor(names[0]))[index]).astype(dtype)
+      if not e.stacked:
+        src = e.to_ours(tensor(names[0]))[index]
+        out = np.asarray(src).astype(dtype)
+        check_finite(names[0], src, out)
+        return out
+      layers, out = range(len(names))[index[0]], None
+      for j, i in enumerate(layers):   # filled layer by layer: one copy, checked as it is made
+        src = e.to_ours(tensor(names[i]))[index[1:]]
+        if out is None:
+          out = np.empty((len(layers),) + src.shape, dtype)
+        out[j] = src
+        check_finite(names[i], src, out[j])
+      return out
 
     _set(params, e.path, jax.make_array_from_callback(want, sharding, read))
+  if nonfinite:
+    shown = [nonfinite[n] for n in sorted(nonfinite, key=_natural)]
+    more = f"; and {len(shown) - _SHOW} more tensors" if len(shown) > _SHOW else ""
+    logging.warning("%s: loaded %d tensors with non-finite values because allow_nonfinite=True "
+                    "(rollouts and updates on them will produce NaN/Inf): %s%s", path,
+                    len(shown), "; ".join(shown[:_SHOW]), more)
   return params
+
+
+def _check_tied(where: dict[str, pathlib.Path], embed: np.ndarray, lm_head: np.ndarray) -> None:
+  """With tied embeddings, an lm_head.weight in the files must be the embedding (checked on a
+  few rows: O(1)); a different one means the weights are untied and config.json is wrong."""
+  if lm_head.shape != embed.shape or not np.array_equal(lm_head[:4], embed[:4]):
+    raise CheckpointError(
+        f"{where['lm_head.weight']}: tensor 'lm_head.weight' differs from "
+        "'model.embed_tokens.weight', but config.json has tie_word_embeddings=true, which would "
+        "ignore it; set tie_word_embeddings to false if these weights are right, or use the "
+        "config.json that was saved with them")
 
 
 def export(path: str | os.PathLike, cfg: ModelConfig, params: dict, tokenizer=None,

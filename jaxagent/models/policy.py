@@ -134,12 +134,17 @@ def load_config_and_tokenizer(path: str | os.PathLike, dtype: str = "float32",
 
 
 def from_pretrained(path: str | os.PathLike, dtype: str = "float32", mesh: Mesh | None = None,
-                    param_dtype: str | None = None) -> Policy:
+                    param_dtype: str | None = None, allow_nonfinite: bool = False) -> Policy:
   """Loads a policy from a local Hugging Face directory or a built-in name ("builtin:tiny").
+
+  The directory is validated as it is read: a damaged file, a config.json that does not match
+  the weights, or NaN/Inf weights raise `CheckpointError` naming the file, the tensor and the fix.
 
   Args:
     dtype: compute dtype (activations, KV cache), and the parameter dtype unless `param_dtype`.
     mesh: place each parameter with its logical-axis sharding on this mesh as it is read.
+    allow_nonfinite: load weights holding NaN/Inf values (logging a warning that names them)
+      instead of raising.
   """
   root = resolve_path(path)
   cfg, tokenizer = load_config_and_tokenizer(path, dtype, param_dtype)
@@ -148,7 +153,7 @@ def from_pretrained(path: str | os.PathLike, dtype: str = "float32", mesh: Mesh 
   if not has_weights and cfg.init_seed is not None:
     params = init_sharded(cfg, cfg.init_seed, shardings)
   else:
-    params = hf_io.load_params(root, cfg, shardings)
+    params = hf_io.load_params(root, cfg, shardings, allow_nonfinite=allow_nonfinite)
   return Policy(config=cfg, params=params, tokenizer=tokenizer, mesh=mesh, path=str(path))
 
 

@@ -27,11 +27,13 @@ from jaxagent.sharding import distributed, make_mesh
 
 def load_policy(config: ml_collections.ConfigDict) -> Policy:
   """The config's model (config.model.path, dtypes) on a mesh of the first config.num_devices
-  devices (0: all) with config.mesh's axis sizes."""
+  devices (0: all) with config.mesh's axis sizes. Damaged checkpoint files and non-finite
+  weights raise CheckpointError (config.model.allow_nonfinite_weights: warn instead)."""
   devices = jax.devices()[:config.num_devices or None]
   mesh = make_mesh(dict(config.mesh), devices=devices)
   return from_pretrained(config.model.path, dtype=config.model.dtype, mesh=mesh,
-                         param_dtype=config.model.param_dtype)
+                         param_dtype=config.model.param_dtype,
+                         allow_nonfinite=config.model.allow_nonfinite_weights)
 
 
 def load_skeleton(config) -> tuple[ModelConfig, object]:
