@@ -67,12 +67,31 @@ class _Phase:
     self.fingerprint = fingerprint
 
   def restore(self, state: TrainState) -> tuple[TrainState, int]:
-    step = self.ckpt.latest_step()
-    if step is None:
+    """(state, step) of the newest intact checkpoint of the phase (damaged newer ones are
+    skipped, named in a warning, and set aside), or (state, 0) when there is none."""
+    restored, step = self.ckpt.restore_latest(layout.abstract_params(_state_dict(state)),
+                                              fingerprint=self.fingerprint)
+    if restored is None:
       return state, 0
     logging.info("%s: resuming from step %d", self.name, step)
-    restored = self.ckpt.restore(step, abstract_state=layout.abstract_params(_state_dict(state)))
     return TrainState(**restored), step
+
+  def finished_params(self, params) -> Any | None:
+    """The params of a phase already run to its end, decided from the checkpoint listing, not
+    by restoring the whole state; None when the phase still has steps to run (also when its
+    final checkpoint is damaged: the run then resumes from the newest intact one and redoes
+    the rest, exactly)."""
+    latest = self.ckpt.latest_step()
+    if latest is None or latest < self.total:
+      return None
+    restored, step = self.ckpt.restore_params_latest(layout.abstract_params(params),
+                                                     fingerprint=self.fingerprint)
+    if restored is None or step < self.total:
+      logging.warning("%s: the final checkpoint (step %d) is damaged; resuming from step %s",
+                      self.name, latest, step)
+      return None
+    logging.info("%s: already done (%d steps)", self.name, step)
+    return restored
 
   def end_step(self, step: int, state: TrainState, guard: PreemptionGuard) -> None:
     """Checkpoints (every checkpoint_every steps, and the last); on SIGTERM saves and exits."""
@@ -136,12 +155,12 @@ def _show_progress(config) -> bool:
 def run_sft(config, workdir, policy: Policy, programs: Programs, params, fingerprint) -> Any:
   c = sections.sft_config(config)
   phase = _Phase("sft", config, workdir, fingerprint, c.steps)
+  done = phase.finished_params(params)
+  if done is not None:
+    return done
   optimizer, step_fn = programs.sft_step(c)
   state = init_train_state(params, optimizer, jax.random.key(config.seed), mesh=policy.mesh)
   state, start = phase.restore(state)
-  if start >= c.steps:
-    logging.info("sft: already done (%d steps)", start)
-    return state.params
   demos = setup.load_demos(config, workdir, policy.tokenizer, "train")
   n = len(demos["length"])
   perm_key = jax.random.key(config.seed + 1)
@@ -178,6 +197,9 @@ def run_rl(config, workdir, policy: Policy, programs: Programs, params, fingerpr
   setup.check_context(policy.config, programs.env, c.budget.max_turns, c.max_action_tokens,
                       "config.rl.budget / config.rl.max_action_tokens")
   phase = _Phase("rl", config, workdir, fingerprint, c.steps)
+  done = phase.finished_params(params)
+  if done is not None:
+    return done
   optimizer, update = programs.update(lcfg, c.steps * lcfg.optimizer_steps_per_update)
   # A copy: the update donates the train state, whose params start as these arrays.
   ref_params = jax.tree.map(jnp.copy, params) if lcfg.kl_coef > 0 else None
@@ -185,9 +207,6 @@ def run_rl(config, workdir, policy: Policy, programs: Programs, params, fingerpr
     ref_params = offload_to_host(ref_params)
   state = init_train_state(params, optimizer, jax.random.key(config.seed + 2), mesh=policy.mesh)
   state, start = phase.restore(state)
-  if start >= c.steps:
-    logging.info("rl: already done (%d steps)", start)
-    return state.params
   train = setup.load_tasks(config, workdir, "train")
   key = jax.random.key(config.seed + 3)
   log = MetricsLog(workdir, "rl", resume_step=start)

@@ -78,6 +78,14 @@ def test_resume_is_exact(tmp_path):
   before = (full / "metrics.jsonl").read_text()
   train.run(_rl_only(4, **{"data.dir": str(data)}), full)
   assert (full / "metrics.jsonl").read_text() == before
+  # Its final checkpoint damaged (every data file truncated): the rerun resumes from step 3, the
+  # newest intact one, and redoes step 4 exactly.
+  for f in (full / "checkpoints" / "rl" / "4" / "state").rglob("d/*"):
+    os.truncate(f, 16)
+  train.run(_rl_only(4, **{"data.dir": str(data)}), full)
+  assert _lines(full) == a
+  jax.tree.map(np.testing.assert_array_equal, _params(full, _rl_only(4)), pb)
+  assert (full / "checkpoints" / "rl" / "4.damaged").is_dir()     # set aside, not deleted
 
 
 def test_bad_config_fails_before_compute(tmp_path):

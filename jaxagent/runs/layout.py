@@ -90,9 +90,17 @@ def restore_params(workdir, phase: str, step: int, abstract):
 
 
 def latest_params(workdir, abstract) -> tuple[Any, str, int]:
-  """Params of the latest checkpoint of the last phase that has one: (params, phase, step)."""
-  if not (pathlib.Path(workdir) / "checkpoints").is_dir():
-    raise FileNotFoundError(f"{workdir}: no checkpoint under checkpoints/{{{','.join(PHASES)}}}; "
-                            "train it first, or fix the path")
-  phase, step = resolve_checkpoint(workdir)
-  return restore_params(workdir, phase, step, abstract), phase, step
+  """Params of the newest intact checkpoint of the last phase that has one: (params, phase,
+  step). Damaged newer checkpoints are skipped with a warning naming them."""
+  for phase in reversed(PHASES):
+    if not checkpoint_dir(workdir, phase).is_dir():
+      continue
+    ckpt = Checkpointer.reader(checkpoint_dir(workdir, phase))
+    try:
+      params, step = ckpt.restore_params_latest(abstract)
+    finally:
+      ckpt.close()
+    if params is not None:
+      return params, phase, step
+  raise FileNotFoundError(f"{workdir}: no checkpoint under checkpoints/{{{','.join(PHASES)}}}; "
+                          "train it first, or fix the path")
