@@ -1,4 +1,4 @@
-"""Training checkpoints: a thin wrapper over `orbax.checkpoint.CheckpointManager`.
+"""Training checkpoints: `Checkpointer`, a thin wrapper over `orbax.checkpoint.CheckpointManager`.
 
 One checkpoint per step directory, holding three orbax items:
 
@@ -8,9 +8,9 @@ One checkpoint per step directory, holding three orbax items:
 
     ckpt = Checkpointer(workdir, max_to_keep=3, save_interval_steps=100)
     ckpt.check_compatible(model_fingerprint(model_cfg))      # before any compute
-    if ckpt.latest_step() is not None:
-      state = ckpt.restore(abstract_state=jax.eval_shape(make_state))  # with .sharding set
-      meta = ckpt.restore_meta()
+    restored, step = ckpt.restore_latest(abstract_state)     # ShapeDtypeStructs with .sharding
+    if step is not None:
+      meta = ckpt.restore_meta(step)
     ...
     ckpt.save(step, state, meta)          # async; returns as soon as arrays are on the host
     ckpt.close()                          # waits for the last save
@@ -24,153 +24,45 @@ Restoring takes an abstract pytree of `jax.ShapeDtypeStruct`s whose `.sharding` 
 array goes, so a checkpoint saved on one mesh (or host count) restores onto another: each process
 reads only the shards its devices need.
 
-Typed PRNG keys (`jax.random.key`) are stored as their `jax.random.key_data` (uint32) with the
-impl name beside them, and wrapped back on restore, so keys round-trip on any orbax version and
-the stored arrays are plain integers any tool can read.
+`latest_step()` comes from the directory listing alone (a step directory is only listed once its
+save committed), so "is this phase finished?" (`latest_step() >= total_steps`) is answered without
+reading, or being stopped by, a damaged last checkpoint.
+
+The rest lives beside this module: `fingerprint` (the model fingerprint), `trees` (typed PRNG keys
+stored as key data; saved vs requested structure), `damage` (damaged checkpoints: skipped by
+`restore_latest`, renamed `<step>.damaged`), `saving` (failed saves: `CheckpointSaveError`, no
+temporary directory left) and `errors` (the exceptions).
 """
 
 from __future__ import annotations
 
-import dataclasses
-import hashlib
 import json
+import logging
 import os
 from typing import Any, Mapping, Sequence
 
 import jax
 import orbax.checkpoint as ocp
 from etils import epath
-from jax.sharding import NamedSharding, SingleDeviceSharding
+from jax.experimental import multihost_utils
 
-PyTree = Any
+from jaxagent.checkpoint.damage import damage_raised, move_aside, quiet_orbax_leftovers
+from jaxagent.checkpoint.errors import (CheckpointDamagedError, CheckpointMismatchError,
+                                        CheckpointSaveError, IncompatibleCheckpointError, os_errno)
+from jaxagent.checkpoint.fingerprint import FINGERPRINT_KEY, check_fingerprint, model_fingerprint
+from jaxagent.checkpoint.saving import SaveTracker
+from jaxagent.checkpoint.trees import (PyTree, abstract_keys_to_data, check_placed, check_subtree,
+                                       data_to_keys, keys_to_data, pytree_restore, structure_diff)
+
+__all__ = ["FINGERPRINT_KEY", "CheckpointDamagedError", "CheckpointMismatchError",
+           "CheckpointSaveError", "Checkpointer", "IncompatibleCheckpointError",
+           "model_fingerprint"]
+
+log = logging.getLogger(__name__)
 
 STATE_ITEM = "state"
 META_ITEM = "meta"
 KEYS_ITEM = "prng_keys"
-# Meta key under which the trainer stores `model_fingerprint(model_config)`.
-FINGERPRINT_KEY = "model_fingerprint"
-
-# Fields of a model config that do not change which checkpoints it can load: dtypes (a checkpoint
-# restores into any dtype), token ids (tokenizer-side) and the init seed (a checkpoint replaces
-# the initial weights).
-NON_ARCHITECTURE_FIELDS = frozenset(
-    {"dtype", "param_dtype", "eos_token_ids", "pad_token_id", "bos_token_id", "init_seed"})
-
-
-class CheckpointMismatchError(ValueError):
-  """A checkpoint that does not fit what the caller asked for; the message names the fix."""
-
-
-class IncompatibleCheckpointError(CheckpointMismatchError):
-  """The workdir holds a checkpoint of another model."""
-
-
-# ---------------------------------------------------------------------------------------------
-# Model fingerprint
-
-
-def _canonical(value: Any) -> Any:
-  """JSON-able canonical form: tuples as lists, dataclasses as dicts, other objects by repr."""
-  if dataclasses.is_dataclass(value) and not isinstance(value, type):
-    return {f.name: _canonical(getattr(value, f.name)) for f in dataclasses.fields(value)}
-  if isinstance(value, Mapping):
-    return {str(k): _canonical(v) for k, v in value.items()}
-  if isinstance(value, (list, tuple)):
-    return [_canonical(v) for v in value]
-  if value is None or isinstance(value, (bool, int, str)):
-    return value
-  if isinstance(value, float):
-    return repr(value)   # exact, and independent of json's float formatting
-  return repr(value)
-
-
-def model_fingerprint(model_config: Any,
-                      exclude: frozenset[str] = NON_ARCHITECTURE_FIELDS) -> str:
-  """A short hex hash of the architecture-defining fields of a model config dataclass.
-
-  Hashes the class name and every top-level field not in `exclude` (nested dataclasses, tuples
-  and dicts included), so two configs share a fingerprint exactly when a checkpoint of one loads
-  into the other: `ModelConfig`'s dtypes, token ids and init seed are excluded by default.
-
-  Raises:
-    TypeError: `model_config` is not a dataclass instance.
-  """
-  if not dataclasses.is_dataclass(model_config) or isinstance(model_config, type):
-    raise TypeError(f"model_fingerprint needs a dataclass instance (e.g. ModelConfig), got "
-                    f"{type(model_config).__name__}; pass the model's config object")
-  fields = {f.name: _canonical(getattr(model_config, f.name))
-            for f in dataclasses.fields(model_config) if f.name not in exclude}
-  blob = json.dumps({"class": type(model_config).__name__, "fields": fields}, sort_keys=True)
-  return hashlib.sha256(blob.encode()).hexdigest()[:16]
-
-
-# ---------------------------------------------------------------------------------------------
-# Typed PRNG keys <-> key data
-
-
-def _is_prng_key(leaf: Any) -> bool:
-  return jax.dtypes.issubdtype(getattr(leaf, "dtype", None), jax.dtypes.prng_key)
-
-
-def _path_str(path: Sequence[Any]) -> str:
-  return jax.tree_util.keystr(tuple(path))
-
-
-def _keys_to_data(tree: PyTree) -> tuple[PyTree, dict[str, str]]:
-  """Replaces each typed PRNG-key array by its key data; returns {leaf path: impl name}."""
-  impls: dict[str, str] = {}
-
-  def convert(path, leaf):
-    if _is_prng_key(leaf):
-      impls[_path_str(path)] = str(jax.random.key_impl(leaf))
-      return jax.random.key_data(leaf)
-    return leaf
-
-  return jax.tree_util.tree_map_with_path(convert, tree), impls
-
-
-def _key_data_sharding(sharding: Any) -> Any:
-  """The sharding of a key array's data: the key's, with the trailing key dims replicated."""
-  if sharding is None or isinstance(sharding, (NamedSharding, SingleDeviceSharding)):
-    return sharding   # a NamedSharding spec shorter than the rank replicates the rest
-  raise TypeError(f"cannot place PRNG key data for a key with sharding {type(sharding).__name__}; "
-                  "give PRNG-key leaves a NamedSharding or SingleDeviceSharding")
-
-
-def _abstract_keys_to_data(abstract: PyTree) -> PyTree:
-  """Abstract tree with each abstract PRNG-key leaf replaced by its key data's abstract array."""
-  def convert(leaf):
-    if not _is_prng_key(leaf):
-      return leaf
-    data = jax.eval_shape(jax.random.key_data, jax.ShapeDtypeStruct(leaf.shape, leaf.dtype))
-    return jax.ShapeDtypeStruct(data.shape, data.dtype,
-                                sharding=_key_data_sharding(getattr(leaf, "sharding", None)))
-  return jax.tree.map(convert, abstract)
-
-
-def _data_to_keys(restored: PyTree, abstract: PyTree, impls: Mapping[str, str],
-                  prefix: Sequence[Any] = ()) -> PyTree:
-  """Wraps key data back into typed keys where `abstract` has a PRNG-key leaf."""
-  def convert(path, leaf, abs_leaf):
-    if not _is_prng_key(abs_leaf):
-      return leaf
-    name = _path_str(tuple(prefix) + tuple(path))
-    if name not in impls:
-      raise CheckpointMismatchError(
-          f"state{name} is a PRNG key in the requested state but was saved as a plain array; "
-          "restore it as the saved uint32 array (jax.random.wrap_key_data) or fix the state "
-          "structure")
-    key = jax.random.wrap_key_data(leaf, impl=impls[name])
-    if key.dtype != abs_leaf.dtype:
-      raise CheckpointMismatchError(
-          f"state{name}: saved PRNG impl {impls[name]!r} gives {key.dtype}, requested "
-          f"{abs_leaf.dtype}; use the saved PRNG impl (jax_default_prng_impl)")
-    return key
-  return jax.tree_util.tree_map_with_path(convert, restored, abstract)
-
-
-# ---------------------------------------------------------------------------------------------
-# Checkpointer
 
 
 def _as_path(directory: str | os.PathLike) -> epath.Path:
@@ -179,37 +71,6 @@ def _as_path(directory: str | os.PathLike) -> epath.Path:
   if "://" in text:
     return epath.Path(text)
   return epath.Path(os.path.abspath(os.path.expanduser(text)))
-
-
-def _leaf_paths(tree: PyTree) -> list[tuple[str, ...]]:
-  """Leaf paths with dict keys, attribute names and indices alike (orbax stores NamedTuples as
-  dicts and tuples as lists, so only the names are comparable)."""
-  def name(k: Any) -> str:
-    for attr in ("key", "name", "idx"):
-      if hasattr(k, attr):
-        return str(getattr(k, attr))
-    return str(k)
-  return [tuple(name(k) for k in path)
-          for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
-
-
-def _check_placed(abstract: PyTree, what: str) -> None:
-  """Every `ShapeDtypeStruct` leaf must say where it goes (orbax would return numpy otherwise)."""
-  unplaced = [jax.tree_util.keystr(path)
-              for path, leaf in jax.tree_util.tree_flatten_with_path(abstract)[0]
-              if isinstance(leaf, jax.ShapeDtypeStruct) and leaf.sharding is None]
-  if unplaced:
-    raise ValueError(
-        f"{what}: leaves {unplaced[:5]}{' ...' if len(unplaced) > 5 else ''} are "
-        "ShapeDtypeStructs without a sharding; attach one, e.g. jax.ShapeDtypeStruct(shape, "
-        "dtype, sharding=NamedSharding(mesh, P())) for a replicated leaf")
-
-
-def _pytree_restore(target: PyTree, partial: bool = False) -> ocp.args.PyTreeRestore:
-  """Restore args placing every leaf as its abstract leaf (`ShapeDtypeStruct.sharding`) says."""
-  return ocp.args.PyTreeRestore(
-      item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target),
-      partial_restore=partial)
 
 
 class Checkpointer:
@@ -258,6 +119,7 @@ class Checkpointer:
         item_handlers={STATE_ITEM: ocp.PyTreeCheckpointHandler(),
                        META_ITEM: ocp.JsonCheckpointHandler(),
                        KEYS_ITEM: ocp.JsonCheckpointHandler()})
+    self._saves = SaveTracker(self._manager, self.directory)
 
   @classmethod
   def reader(cls, directory: str | os.PathLike) -> "Checkpointer":
@@ -269,7 +131,13 @@ class Checkpointer:
 
   def latest_step(self) -> int | None:
     """The newest step, or None. Includes a save this process started and has not finished
-    (every restore waits for it); never a step whose writing process died."""
+    (every restore waits for it); never a step whose writing process died.
+
+    Comes from the directory listing alone and reads no checkpoint contents, so it is the step
+    count to decide whether a phase is finished (`latest_step() >= total_steps`) even when that
+    checkpoint is damaged; the state itself then comes from `restore_latest` /
+    `restore_params_latest`, which may fall back to an older step.
+    """
     return self._manager.latest_step()
 
   def all_steps(self) -> list[int]:
@@ -279,6 +147,35 @@ class Checkpointer:
   def reload(self) -> None:
     """Re-reads the step list from storage (another process may have saved since)."""
     self._manager.reload()
+
+  def damage(self, step: int) -> str | None:
+    """Why checkpoint `step` is damaged, or None if all its metadata reads.
+
+    Reads the meta and PRNG-key JSON and the state's tree metadata (which opens every array's
+    metadata in the OCDBT index), not the array data: a truncated or missing data file shows
+    only when restoring. Cheap enough to call for each step of a listing.
+    """
+    step = self._resolve_step(step)
+    try:
+      self.restore_meta(step)
+      self._prng_impls(step)
+      self._saved_state_tree(step)
+    except CheckpointDamagedError as e:
+      return e.reasons[step]
+    return None
+
+  def latest_intact_step(self) -> int | None:
+    """The newest step whose metadata reads (`damage(step)` is None), or None.
+
+    Logs a warning for each newer step it passes over. Evaluation can resolve a step with it;
+    `restore_params_latest` goes further and also falls back when array data is damaged.
+    """
+    for step in reversed(self.all_steps()):
+      why = self.damage(step)
+      if why is None:
+        return step
+      log.warning("%s: checkpoint step %d is damaged, skipping it: %s", self.directory, step, why)
+    return None
 
   # -- saving -------------------------------------------------------------------------------
 
@@ -291,15 +188,23 @@ class Checkpointer:
     caller may donate or overwrite them afterwards. Put `model_fingerprint(model_config)` in
     `meta[FINGERPRINT_KEY]` so that `check_compatible` can guard a reused workdir.
 
+    Call it every step (it returns False between intervals): each call also checks, without
+    blocking, whether the previous background save failed, so a failure stops the run within a
+    step of happening.
+
     Returns:
       whether a checkpoint was started.
     Raises:
+      CheckpointSaveError: this save cannot be written (the directory is not writable or its disk
+        is full: checked before anything is started), or the previous async save failed. Every
+        later `save` raises it again.
       TypeError: `meta` is not JSON-serialisable (raised before anything is written).
       ValueError: `step` is older than the newest checkpoint (a run that did not resume).
     """
     if self.read_only:
       raise PermissionError(f"{self.directory} was opened read-only (Checkpointer.reader); "
                             "open it with Checkpointer(...) to save")
+    self._saves.check(block=False)
     try:
       meta = json.loads(json.dumps(dict(meta)))
     except (TypeError, ValueError) as e:
@@ -317,22 +222,48 @@ class Checkpointer:
           f"cannot save step {step}: {self.directory} already holds step {latest}. A run on this "
           "workdir must resume from its latest checkpoint (Checkpointer.restore); to start over "
           "use a new --workdir")
-    state, impls = _keys_to_data(state_pytree)
-    return self._manager.save(
-        step, force=True,   # the interval decision is made above
-        args=ocp.args.Composite(**{STATE_ITEM: ocp.args.PyTreeSave(state),
-                                   META_ITEM: ocp.args.JsonSave(meta),
-                                   KEYS_ITEM: ocp.args.JsonSave(impls)}))
+    self._saves.check(block=True)   # orbax waits for the previous save anyway
+    self._saves.probe(step)
+    state, impls = keys_to_data(state_pytree)
+    try:
+      started = self._manager.save(
+          step, force=True,   # the interval decision is made above
+          args=ocp.args.Composite(**{STATE_ITEM: ocp.args.PyTreeSave(state),
+                                     META_ITEM: ocp.args.JsonSave(meta),
+                                     KEYS_ITEM: ocp.args.JsonSave(impls)}))
+    except Exception as e:  # pylint: disable=broad-except
+      if os_errno(e) is None:
+        raise                 # not a storage failure (e.g. an unsupported leaf type)
+      self._saves.fail(step, e)
+    if started:
+      self._saves.pending_step = step
+    return started
 
   def wait_until_finished(self) -> None:
-    """Blocks until the pending async save is committed; re-raises its error if it failed."""
-    self._manager.wait_until_finished()
-    self._manager.check_for_errors()
+    """Blocks until the pending async save is committed.
+
+    Raises:
+      CheckpointSaveError: that save (or an earlier one) failed.
+    """
+    self._saves.check(block=True)
 
   def close(self) -> None:
-    """Waits for the pending save and releases orbax's threads."""
-    self._manager.wait_until_finished()
-    self._manager.close()
+    """Waits for the pending save and releases orbax's threads.
+
+    Raises:
+      CheckpointSaveError: the pending save failed (not raised again if a call already did).
+    """
+    try:
+      if self._saves.failure is None:
+        self._saves.check(block=True)
+    finally:
+      try:
+        self._manager.close()
+      except Exception:  # pylint: disable=broad-except
+        if self._saves.failure is None:
+          raise
+        # orbax re-raises the failure it already reported; nothing is left to wait for.
+        log.debug("closing %s after a failed save", self.directory, exc_info=True)
 
   def __enter__(self) -> "Checkpointer":
     return self
@@ -343,7 +274,7 @@ class Checkpointer:
   # -- restoring ----------------------------------------------------------------------------
 
   def _resolve_step(self, step: int | None) -> int:
-    self._manager.wait_until_finished()   # a step this process is still writing
+    self._saves.check(block=True)   # a step this process is still writing
     steps = self.all_steps()
     if step is None:
       if not steps:
@@ -358,16 +289,39 @@ class Checkpointer:
   def _restore_items(self, step: int, **args: Any) -> Any:
     return self._manager.restore(step, args=ocp.args.Composite(**args))
 
+  def _read_json(self, step: int, item: str) -> dict:
+    with damage_raised(self.directory, step, item):
+      value = self._restore_items(step, **{item: ocp.args.JsonRestore()})[item]
+    if not isinstance(value, Mapping):
+      raise CheckpointDamagedError(self.directory, {
+          step: f"{item}: holds {type(value).__name__}, not a JSON object"})
+    return dict(value)
+
   def restore_meta(self, step: int | None = None) -> dict:
-    """The JSON meta dict saved with `step` (default: the latest)."""
-    step = self._resolve_step(step)
-    return dict(self._restore_items(step, **{META_ITEM: ocp.args.JsonRestore()})[META_ITEM])
+    """The JSON meta dict saved with `step` (default: the latest).
+
+    Raises:
+      CheckpointDamagedError: the meta file is missing or garbled.
+    """
+    return self._read_json(self._resolve_step(step), META_ITEM)
 
   def _prng_impls(self, step: int) -> dict[str, str]:
-    return dict(self._restore_items(step, **{KEYS_ITEM: ocp.args.JsonRestore()})[KEYS_ITEM])
+    return self._read_json(step, KEYS_ITEM)
+
+  def _saved_state_tree(self, step: int) -> PyTree:
+    """The saved state's tree of orbax leaf metadata (shapes, dtypes)."""
+    with damage_raised(self.directory, step, STATE_ITEM):
+      saved = self._manager.item_metadata(step)[STATE_ITEM]
+    tree = getattr(saved, "tree", saved)
+    if not isinstance(tree, Mapping):
+      raise CheckpointDamagedError(self.directory, {
+          step: f"{STATE_ITEM}: its tree metadata (_METADATA) is missing or unreadable"})
+    return tree
 
   def restore(self, step: int | None = None, *, abstract_state: PyTree) -> PyTree:
     """Restores the full state of `step` (default: the latest) onto the given shardings.
+
+    No fallback: `restore_latest` skips damaged checkpoints.
 
     Args:
       abstract_state: the state's structure with a `jax.ShapeDtypeStruct` carrying a
@@ -380,45 +334,59 @@ class Checkpointer:
       FileNotFoundError: no such checkpoint (the message lists what exists).
       ValueError: an abstract leaf has no sharding.
       CheckpointMismatchError: the saved state has another structure or shapes.
+      CheckpointDamagedError: the checkpoint's files are missing, truncated or garbled.
     """
-    _check_placed(abstract_state, "abstract_state")
+    check_placed(abstract_state, "abstract_state")
     step = self._resolve_step(step)
     impls = self._prng_impls(step)
-    target = _abstract_keys_to_data(abstract_state)
+    target = abstract_keys_to_data(abstract_state)
+    if diff := structure_diff(self._saved_state_tree(step), target):
+      raise CheckpointMismatchError(
+          f"checkpoint {self.directory}/{step} does not match the requested state: {diff}\n"
+          "The state's structure or shapes changed since it was saved (model, optimizer or "
+          "config); restore with the config it was saved with, or use a new --workdir")
     try:
-      restored = self._restore_items(step, **{STATE_ITEM: _pytree_restore(target)})
+      with damage_raised(self.directory, step, STATE_ITEM):
+        restored = self._restore_items(step, **{STATE_ITEM: pytree_restore(target)})
     except ValueError as e:
       raise CheckpointMismatchError(
-          f"checkpoint {self.directory}/{step} does not match the requested state: {e}\n"
-          "The state's structure or shapes changed since it was saved (model, optimizer or "
-          "config); restore with the config it was saved with, or use a new --workdir") from e
-    return _data_to_keys(restored[STATE_ITEM], abstract_state, impls)
+          f"checkpoint {self.directory}/{step} cannot be restored as requested: {e}\n"
+          "Restore with the config it was saved with, or use a new --workdir") from e
+    return data_to_keys(restored[STATE_ITEM], abstract_state, impls)
 
   def restore_params(self, step: int | None, abstract_params: PyTree,
                      key_path: Sequence[str] = ("params",)) -> PyTree:
     """Restores only the subtree at `key_path` of the saved state (evaluation jobs).
 
     Orbax's partial restore reads only the requested leaves: the optimizer state and everything
-    else is never read, so this costs the parameters' bytes only.
+    else is never read, so this costs the parameters' bytes only. No fallback:
+    `restore_params_latest` skips damaged checkpoints.
 
     Args:
       step: the checkpoint step, None for the latest.
       abstract_params: the subtree's structure with `jax.ShapeDtypeStruct`s (with shardings).
       key_path: the dict keys from the state's root to the subtree.
+    Raises:
+      CheckpointMismatchError: the saved subtree has other leaves or shapes.
+      CheckpointDamagedError: the checkpoint's files are missing, truncated or garbled.
     """
     if not key_path or not all(isinstance(k, str) for k in key_path):
       raise TypeError(f"key_path={key_path!r}: give the dict keys from the state's root to the "
                       "params, e.g. ('params',)")
-    _check_placed(abstract_params, "abstract_params")
+    check_placed(abstract_params, "abstract_params")
     step = self._resolve_step(step)
-    self._check_subtree(step, key_path, abstract_params)
+    impls = self._prng_impls(step)
+    check_subtree(self._saved_state_tree(step), key_path, abstract_params,
+                  f"{self.directory}/{step}")
     # A target holding only the subtree; partial_restore reads nothing else.
-    target: Any = _abstract_keys_to_data(abstract_params)
+    target: Any = abstract_keys_to_data(abstract_params)
     for k in reversed(key_path):
       target = {k: target}
     try:
-      restored = self._restore_items(step, **{STATE_ITEM: _pytree_restore(target, partial=True)})
-    except (ValueError, KeyError) as e:
+      with damage_raised(self.directory, step, STATE_ITEM):
+        restored = self._restore_items(
+            step, **{STATE_ITEM: pytree_restore(target, partial=True)})
+    except ValueError as e:
       where = "".join(f"[{k!r}]" for k in key_path)
       raise CheckpointMismatchError(
           f"checkpoint {self.directory}/{step}: cannot restore state{where} as requested: {e}\n"
@@ -426,50 +394,117 @@ class Checkpointer:
     sub = restored[STATE_ITEM]
     for k in key_path:
       sub = sub[k]
-    impls = self._prng_impls(step)
     prefix = [jax.tree_util.DictKey(k) for k in key_path]
-    return _data_to_keys(sub, abstract_params, impls, prefix=prefix)
+    return data_to_keys(sub, abstract_params, impls, prefix=prefix)
 
-  def _check_subtree(self, step: int, key_path: Sequence[str], abstract: PyTree) -> None:
-    """Raises unless the saved subtree at `key_path` has exactly the leaves of `abstract`
-    (partial restore would silently hand back missing leaves as their abstract values)."""
-    saved = self._manager.item_metadata(step)[STATE_ITEM]
-    node = getattr(saved, "tree", saved)
-    where = "state"
-    for k in key_path:
-      if not isinstance(node, Mapping) or k not in node:
-        have = sorted(node) if isinstance(node, Mapping) else type(node).__name__
-        raise CheckpointMismatchError(
-            f"checkpoint {self.directory}/{step} has no {where}[{k!r}] (it has {have}); "
-            "fix key_path")
-      node, where = node[k], f"{where}[{k!r}]"
-    saved_paths = set(_leaf_paths(node))
-    wanted = set(_leaf_paths(abstract))
-    if saved_paths != wanted:
-      missing, extra = sorted(wanted - saved_paths), sorted(saved_paths - wanted)
-      raise CheckpointMismatchError(
-          f"checkpoint {self.directory}/{step}: {where} does not match the requested params "
-          f"(not in the checkpoint: {missing[:5]}, not requested: {extra[:5]}); load with the "
-          "model config the run was trained with")
+  # -- restoring the newest intact checkpoint -----------------------------------------------
+
+  def _newest_intact(self, load, fingerprint: str | None) -> tuple[Any, int | None, dict]:
+    """Calls `load(step)` from the newest step down until one is not damaged.
+
+    Returns (value, step, {damaged step: reason}); (None, None, {}) for an empty directory.
+    Mismatches (`CheckpointMismatchError`, including another model's fingerprint) propagate.
+    """
+    self._saves.check(block=True)
+    steps = self.all_steps()
+    damaged: dict[int, str] = {}
+    for i, step in enumerate(reversed(steps)):
+      with quiet_orbax_leftovers():
+        try:
+          if fingerprint is not None:
+            check_fingerprint(self.directory, step, self.restore_meta(step), fingerprint)
+          else:
+            self.restore_meta(step)      # part of an intact checkpoint (data position, seeds)
+          value = load(step)
+        except CheckpointDamagedError as e:
+          damaged[step] = e.reasons[step]
+          older = steps[len(steps) - 2 - i] if i + 1 < len(steps) else None
+          log.warning("%s: checkpoint step %d is damaged, skipping it%s: %s", self.directory,
+                      step, f" and trying step {older}" if older is not None else "",
+                      damaged[step])
+          continue
+      return value, step, damaged
+    if damaged:
+      raise CheckpointDamagedError(self.directory, damaged, every=True)
+    return None, None, {}
+
+  def restore_latest(self, abstract_state: PyTree, *,
+                     fingerprint: str | None = None) -> tuple[PyTree, int] | tuple[None, None]:
+    """Restores the newest intact checkpoint: `(state, step)`, or `(None, None)` if there is none.
+
+    Tries the newest step first; one whose files are missing, truncated or garbled (see
+    `CheckpointDamagedError`) is skipped with a warning naming the step and the reason, and the
+    next older one is tried. A writer (not `reader`) then renames each skipped step directory to
+    `<step>.damaged` (kept for inspection; no longer listed), so training can write those steps
+    again: delete them once no longer needed.
+
+    Args:
+      abstract_state: as for `restore`.
+      fingerprint: if given, each candidate's meta must hold this `model_fingerprint`.
+    Raises:
+      CheckpointDamagedError: every kept checkpoint is damaged (the message lists each step and
+        why).
+      CheckpointMismatchError: a readable checkpoint has another structure or shapes; not
+        treated as damage (an older one would not fit either).
+      IncompatibleCheckpointError: `fingerprint` given and a readable checkpoint has another.
+    """
+    check_placed(abstract_state, "abstract_state")
+    state, step, damaged = self._newest_intact(
+        lambda s: self.restore(s, abstract_state=abstract_state), fingerprint)
+    if damaged and not self.read_only:
+      self._quarantine(sorted(damaged))
+    return state, step
+
+  def restore_params_latest(
+      self, abstract_params: PyTree, key_path: Sequence[str] = ("params",), *,
+      fingerprint: str | None = None) -> tuple[PyTree, int] | tuple[None, None]:
+    """`restore_params` of the newest intact checkpoint: `(params, step)`, or `(None, None)`.
+
+    Skips damaged steps like `restore_latest` (warning for each), but never renames anything:
+    safe for readers of a live training directory.
+
+    Raises:
+      CheckpointDamagedError: every kept checkpoint is damaged.
+      CheckpointMismatchError / IncompatibleCheckpointError: as for `restore_latest`.
+    """
+    params, step, _ = self._newest_intact(
+        lambda s: self.restore_params(s, abstract_params, key_path), fingerprint)
+    return params, step
+
+  def _quarantine(self, steps: Sequence[int]) -> None:
+    """Renames damaged step directories to `<step>.damaged` (the primary process does it)."""
+    if jax.process_index() == 0:
+      for step in steps:
+        target = move_aside(self.directory, step)
+        log.warning("%s: moved damaged checkpoint step %d to %s; delete it once you no longer "
+                    "need it", self.directory, step, target)
+    if jax.process_count() > 1:
+      multihost_utils.sync_global_devices(f"jaxagent_checkpoint_quarantine_{steps[-1]}")
+    self._manager.reload()
 
   # -- compatibility ------------------------------------------------------------------------
 
   def check_compatible(self, fingerprint: str) -> int | None:
-    """Raises unless the latest checkpoint (if any) was saved for the model `fingerprint`.
+    """Raises unless the newest readable checkpoint (if any) was saved for the model
+    `fingerprint`.
 
-    Call it before any compute. Returns the latest step (None for an empty directory).
+    Call it before any compute. A step whose meta is damaged is skipped with a warning (the
+    fingerprint is read from the next older one; if none is readable, nothing can be checked and
+    the restore will report the damage). Returns the latest step (None for an empty directory),
+    as `latest_step()`.
 
     Raises:
-      IncompatibleCheckpointError: the latest checkpoint's meta holds another (or no)
+      IncompatibleCheckpointError: that checkpoint's meta holds another (or no)
         `model_fingerprint`.
     """
-    step = self.latest_step()
-    if step is None:
-      return None
-    saved = self.restore_meta(step).get(FINGERPRINT_KEY)
-    if saved != fingerprint:
-      raise IncompatibleCheckpointError(
-          f"{self.directory} holds a checkpoint (step {step}) of another model: saved "
-          f"{FINGERPRINT_KEY} {saved!r}, this run's model {fingerprint!r}. This workdir holds a "
-          "checkpoint of another model: use a new --workdir or the matching model")
-    return step
+    latest = self.latest_step()
+    for step in reversed(self.all_steps()):
+      try:
+        meta = self.restore_meta(step)
+      except CheckpointDamagedError as e:
+        log.warning("%s: checkpoint step %d is damaged, reading the model fingerprint from an "
+                    "older step: %s", self.directory, step, e.reasons[step])
+        continue
+      check_fingerprint(self.directory, step, meta, fingerprint)
+      break
+    return latest

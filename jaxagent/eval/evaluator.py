@@ -116,6 +116,8 @@ class Evaluator:
     self.programs, self.env = self.main.programs, self.main.env
     self.action_tokens, self.test_arrays = self.main.action_tokens, self.main.test_arrays
     self.tasks, self.num_tasks = self.main.tasks, self.main.num_tasks
+    setup.check_context(self.policy.config, self.env, self.max_turns, self.action_tokens,
+                        "config.eval.max_turns / config.eval.max_action_tokens")
     self.abstract = layout.abstract_params(self.policy.params)
     # Rollouts that several evaluations share (the base policy's and the oracle's), by key.
     self._memo: dict = {}
