@@ -21,10 +21,10 @@ of head_dim hd (n = the KV heads for K),
 which import undoes (`_unpermute`: reshape(n, hd // 2, 2, ...).swapaxes(1, 2)). Qwen2/Qwen3 files
 are not permuted.
 
-Each parameter is created with `jax.make_array_from_callback`: its tensors are dequantised once
-(layer by layer, for the stacked ones) into the parameter dtype when the first device shard asks
-for them, checked to be finite, sliced for each device, and dropped before the next parameter:
-at most one parameter is ever whole on the host.
+Parameters are placed by the mechanism the safetensors path uses (`hf_io.place_params`): each
+device reads only its shard, and every piece is checked to be finite as it is converted to the
+parameter dtype (`hf_io.FiniteCheck`). Each tensor is dequantised once (float32, HF layout) and
+kept while its parameter's shards are read, so at most one parameter is ever whole on the host.
 
 Everything but the values is validated first (architecture, metadata, every tensor's presence,
 type and shape, no unused tensors); errors are `CheckpointError`s naming the file and the fix.
@@ -32,17 +32,15 @@ type and shape, no unused tensors); errors are `CheckpointError`s naming the fil
 
 from __future__ import annotations
 
+import functools
 import pathlib
 from typing import Any
 
-import jax
 import numpy as np
-from absl import logging
 from transformers import AutoTokenizer
 
-from jaxagent.models import decoder, hf_io
+from jaxagent.models import hf_io
 from jaxagent.models.config import CheckpointError, ModelConfig
-from jaxagent.models.safetensors_io import all_finite, count_nonfinite
 
 GGUF_SUFFIX = ".gguf"
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
@@ -251,10 +249,7 @@ def load_params(path: pathlib.Path, cfg: ModelConfig, shardings=None,
                           f"used: jaxagent does not know these GGUF tensors of the "
                           f"{f.architecture} architecture")
 
-  _, shapes = decoder.abstract_params(cfg)
-  dtype = cfg.jnp_param_dtype
-  entries = [(e, [e.hf_name.format(i=i) for i in range(cfg.num_layers)] if e.stacked
-              else [e.hf_name]) for e in hf_io._entries(cfg)]
+  entries = hf_io.named_entries(cfg)
   for e, names in entries:   # validate every name, type and shape before any compute
     for name in names:
       t = by_hf.get(name)
@@ -284,8 +279,10 @@ def load_params(path: pathlib.Path, cfg: ModelConfig, shardings=None,
   permute = {}
   if cfg.model_type == "llama":
     permute = {"self_attn.q_proj": cfg.num_heads, "self_attn.k_proj": cfg.num_kv_heads}
-  nonfinite: list[str] = []
 
+  # Each tensor is dequantised once; an entry's layers stay cached while its shards are read
+  # (at most num_layers tensors: the previous entry's are evicted as the next one's arrive).
+  @functools.lru_cache(maxsize=cfg.num_layers)
   def dequantised(name: str) -> np.ndarray:
     """The HF-layout float32 tensor `name`."""
     t = by_hf[name]
@@ -294,46 +291,11 @@ def load_params(path: pathlib.Path, cfg: ModelConfig, shardings=None,
     for key, n in permute.items():
       if f".{key}." in name:
         x = _unpermute(x, n)
-    if not all_finite(x):
-      nan, inf = count_nonfinite(x)
-      problem = f"{path}: tensor {t.name!r} holds {nan} NaN and {inf} Inf values (of {x.size})"
-      if not allow_nonfinite:
-        raise CheckpointError(f"{problem}; the weights are corrupted: re-download or re-convert "
-                              "them, or pass allow_nonfinite=True to from_pretrained")
-      nonfinite.append(problem)
     return x
 
-  params: dict = {}
-  for e, names in entries:
-    want = _get(shapes, e.path).shape
-    sharding = (_get(shardings, e.path) if shardings is not None
-                else jax.sharding.SingleDeviceSharding(jax.devices()[0]))
-    cache: dict[int, np.ndarray] = {}   # layer -> ours-layout tensor in the param dtype
-
-    def ours(i: int, e=e, names=names, cache=cache) -> np.ndarray:
-      if i not in cache:
-        src = dequantised(names[i])
-        with np.errstate(over="ignore"):
-          cache[i] = np.asarray(e.to_ours(src)).astype(dtype)
-        if not all_finite(cache[i]) and all_finite(src):
-          raise CheckpointError(
-              f"{path}: tensor {by_hf[names[i]].name!r} has values beyond the range of "
-              f"{np.dtype(dtype).name}; load it with param_dtype float32 or bfloat16")
-      return cache[i]
-
-    def read(index, e=e, names=names, ours=ours):
-      if not e.stacked:
-        return ours(0)[index]
-      layers = range(len(names))[index[0]]
-      return np.stack([ours(i)[index[1:]] for i in layers])
-
-    _set(params, e.path, jax.make_array_from_callback(want, sharding, read))
-    cache.clear()
-  if nonfinite:
-    logging.warning("%s: loaded tensors with non-finite values because allow_nonfinite=True: %s",
-                    path, "; ".join(nonfinite[:hf_io._SHOW]))
+  check = hf_io.FiniteCheck(cfg, dequantised, lambda name: f"{path}: tensor {by_hf[name].name!r}",
+                            allow_nonfinite, fix="re-download or re-convert them")
+  params = hf_io.place_params(cfg, shardings, entries, dequantised, check)
+  dequantised.cache_clear()
+  check.warn(path)
   return params
-
-
-_get = hf_io._get
-_set = hf_io._set

@@ -226,10 +226,7 @@ def load_params(path: pathlib.Path, cfg: ModelConfig, shardings=None,
                             "(re-download the checkpoint)")
     return files[f].get(name)
 
-  _, shapes = decoder.abstract_params(cfg)
-  dtype = cfg.jnp_param_dtype
-  entries = [(e, [e.hf_name.format(i=i) for i in range(cfg.num_layers)] if e.stacked
-              else [e.hf_name]) for e in _entries(cfg)]
+  entries = named_entries(cfg)
   for e, names in entries:   # validate every name and shape before any compute
     for name in names:
       x = tensor(name)
@@ -241,40 +238,84 @@ def load_params(path: pathlib.Path, cfg: ModelConfig, shardings=None,
   _check_unused(path, cfg, where, {n for _, names in entries for n in names})
   if cfg.tie_word_embeddings and "lm_head.weight" in where:
     _check_tied(where, tensor("model.embed_tokens.weight"), tensor("lm_head.weight"))
+  check = FiniteCheck(cfg, tensor, lambda name: f"{where[name]}: tensor {name!r}",
+                      allow_nonfinite, fix="re-export or re-download them")
+  params = place_params(cfg, shardings, entries, tensor, check)
+  check.warn(path)
+  return params
 
-  nonfinite: dict[str, str] = {}   # tensor name -> what is wrong (allow_nonfinite=True)
 
-  def check_finite(name: str, src: np.ndarray, out: np.ndarray) -> None:
+def named_entries(cfg: ModelConfig) -> list[tuple[_Entry, list[str]]]:
+  """Every params entry with the HF tensor names it is read from (one per layer if stacked)."""
+  return [(e, [e.hf_name.format(i=i) for i in range(cfg.num_layers)] if e.stacked
+           else [e.hf_name]) for e in _entries(cfg)]
+
+
+class FiniteCheck:
+  """Checks each piece of a tensor as it is converted to the param dtype (so the check streams
+  with the read): non-finite values in the source raise `CheckpointError` naming the tensor
+  (or, with allow_nonfinite, are collected for one warning), and so do finite values the
+  conversion overflows.
+
+  tensor(name): the whole source tensor (HF layout), for counting NaN/Inf; describe(name): the
+  file and tensor as an error names them; fix: what to do about corrupted weights."""
+
+  def __init__(self, cfg: ModelConfig, tensor: Callable[[str], np.ndarray],
+               describe: Callable[[str], str], allow_nonfinite: bool, fix: str):
+    self.dtype, self.tensor, self.describe = cfg.jnp_param_dtype, tensor, describe
+    self.allow, self.fix = allow_nonfinite, fix
+    self.nonfinite: dict[str, str] = {}   # tensor name -> what is wrong (allow_nonfinite=True)
+
+  def __call__(self, name: str, src: np.ndarray, out: np.ndarray) -> None:
     """`out` is `src` (part of tensor `name`) converted to the param dtype."""
-    if all_finite(out) or name in nonfinite:
+    if all_finite(out) or name in self.nonfinite:
       return
     if all_finite(src):
-      problem = (f"has values beyond the range of {np.dtype(dtype).name} (max |x| = "
+      problem = (f"has values beyond the range of {np.dtype(self.dtype).name} (max |x| = "
                  f"{float(np.abs(src.astype(np.float32)).max()):.4g}), which become Inf when "
                  "converted")
       fix = "load it with param_dtype float32 or bfloat16"
     else:
-      nan, inf = count_nonfinite(tensor(name))
-      problem = f"holds {nan} NaN and {inf} Inf values (of {tensor(name).size})"
-      fix = ("the weights are corrupted (a diverged training run or a damaged file): re-export or "
-             "re-download them")
-    if not allow_nonfinite:
-      raise CheckpointError(f"{where[name]}: tensor {name!r} {problem}; {fix}, or pass "
+      whole = self.tensor(name)
+      nan, inf = count_nonfinite(whole)
+      problem = f"holds {nan} NaN and {inf} Inf values (of {whole.size})"
+      fix = f"the weights are corrupted (a diverged training run or a damaged file): {self.fix}"
+    if not self.allow:
+      raise CheckpointError(f"{self.describe(name)} {problem}; {fix}, or pass "
                             "allow_nonfinite=True to from_pretrained to load them anyway")
-    nonfinite[name] = f"{where[name]}: tensor {name!r} {problem}"
+    self.nonfinite[name] = f"{self.describe(name)} {problem}"
 
+  def warn(self, path) -> None:
+    """One warning naming the non-finite tensors loaded (allow_nonfinite=True)."""
+    if not self.nonfinite:
+      return
+    shown = [self.nonfinite[n] for n in sorted(self.nonfinite, key=_natural)]
+    more = f"; and {len(shown) - _SHOW} more tensors" if len(shown) > _SHOW else ""
+    logging.warning("%s: loaded %d tensors with non-finite values because allow_nonfinite=True "
+                    "(rollouts and updates on them will produce NaN/Inf): %s%s", path,
+                    len(shown), "; ".join(shown[:_SHOW]), more)
+
+
+def place_params(cfg: ModelConfig, shardings, entries, tensor: Callable[[str], np.ndarray],
+                 check: FiniteCheck) -> dict:
+  """The params tree: each entry's array assembled from `tensor(hf_name)` (HF layout; the entry's
+  `to_ours` maps it) and placed with its sharding (default: the first device), each device
+  reading only its own shard (`make_array_from_callback`); `check` sees every piece as it is
+  converted to the param dtype."""
+  _, shapes = decoder.abstract_params(cfg)
+  dtype = cfg.jnp_param_dtype
   params: dict = {}
   for e, names in entries:
     want = _get(shapes, e.path).shape
     sharding = (_get(shardings, e.path) if shardings is not None
                 else jax.sharding.SingleDeviceSharding(jax.devices()[0]))
 
-    @np.errstate(over="ignore")   # a cast's overflow is reported by check_finite
+    @np.errstate(over="ignore")   # a cast's overflow is reported by check
     def read(index, e=e, names=names):
       if not e.stacked:
         src = e.to_ours(tensor(names[0]))[index]
         out = np.asarray(src).astype(dtype)
-        check_finite(names[0], src, out)
+        check(names[0], src, out)
         return out
       layers, out = range(len(names))[index[0]], None
       for j, i in enumerate(layers):   # filled layer by layer: one copy, checked as it is made
@@ -282,16 +323,10 @@ def load_params(path: pathlib.Path, cfg: ModelConfig, shardings=None,
         if out is None:
           out = np.empty((len(layers),) + src.shape, dtype)
         out[j] = src
-        check_finite(names[i], src, out[j])
+        check(names[i], src, out[j])
       return out
 
     _set(params, e.path, jax.make_array_from_callback(want, sharding, read))
-  if nonfinite:
-    shown = [nonfinite[n] for n in sorted(nonfinite, key=_natural)]
-    more = f"; and {len(shown) - _SHOW} more tensors" if len(shown) > _SHOW else ""
-    logging.warning("%s: loaded %d tensors with non-finite values because allow_nonfinite=True "
-                    "(rollouts and updates on them will produce NaN/Inf): %s%s", path,
-                    len(shown), "; ".join(shown[:_SHOW]), more)
   return params
 
 
