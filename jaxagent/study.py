@@ -25,7 +25,7 @@ from jaxagent.eval import checkpoints, compare
 from jaxagent.eval.evaluator import Evaluator
 from jaxagent.runs import config as sections
 from jaxagent.runs import layout, setup
-from jaxagent.runs.programs import Programs
+from jaxagent.runs.programs import programs_for
 
 BASE = "base"
 
@@ -73,9 +73,7 @@ def run(config, workdir) -> dict:
   timings = {}
   # One set of compiled functions for every run: they share the model config and environment.
   base_config = runs[BASE][0]
-  model_config, tokenizer = setup.load_skeleton(base_config)
-  programs = Programs(model_config, setup.make_env(base_config, tokenizer),
-                      env_spec=setup.env_spec(base_config))
+  programs = programs_for(base_config, *setup.load_skeleton(base_config))
   for label, (c, run_dir) in runs.items():
     t0 = time.perf_counter()
     if (run_dir / "DONE").exists():

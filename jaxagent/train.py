@@ -40,7 +40,7 @@ from jaxagent.runs import config as sections
 from jaxagent.runs import layout, setup
 from jaxagent.runs.lock import WorkdirLock
 from jaxagent.runs.pinning import pin_config
-from jaxagent.runs.programs import Programs
+from jaxagent.runs.programs import Programs, programs_for
 from jaxagent.sharding import distributed
 
 
@@ -245,17 +245,6 @@ def run_rl(config, workdir, policy: Policy, programs: Programs, params, fingerpr
   return state.params
 
 
-def programs_for(config, policy: Policy, programs: Programs | None = None) -> Programs:
-  """`programs` when given (checked to serve this policy and environment), else new ones."""
-  spec = setup.env_spec(config)
-  if programs is None:
-    return Programs(policy.config, setup.make_env(config, policy.tokenizer), env_spec=spec)
-  if not programs.serves(policy.config, spec):
-    raise ValueError(f"the programs given were built for another model or environment "
-                     f"({programs.env_spec}); build them with this config's policy and env")
-  return programs
-
-
 def run(config: ml_collections.ConfigDict, workdir, *, programs: Programs | None = None,
         allow_config_change: bool = False) -> dict:
   """Runs the config's phases in `workdir` (resuming), returns a summary dict.
@@ -278,7 +267,7 @@ def run(config: ml_collections.ConfigDict, workdir, *, programs: Programs | None
 
 def _run_phases(config, workdir: pathlib.Path, programs: Programs | None, primary: bool) -> dict:
   policy = setup.load_policy(config)
-  programs = programs_for(config, policy, programs)
+  programs = programs_for(config, policy.config, policy.tokenizer, programs)
   fingerprint = model_fingerprint(policy.config)
   params = policy.params
   if config.model.init_from:

@@ -8,11 +8,12 @@ unknown key and the nearest real one.
 
 from __future__ import annotations
 
-import difflib
 import runpy
 import sys
 
 import ml_collections
+
+from jaxagent.runs.config import nearest_key
 
 
 def _load(spec: str):
@@ -29,10 +30,8 @@ def unknown_override(config, dotted: str) -> str | None:
       return f"{walked} is a value, not a section: --{walked}.{part}... names no key"
     keys = list(node.keys())
     if part not in keys:
-      near = (difflib.get_close_matches(part, keys, n=1, cutoff=0.6)
-              or [k for k in keys if "".join(w[:1] for w in k.split("_")) == part]   # lr
-              or [k for k in keys if part in k])
-      hint = f" (did you mean --{walked}.{near[0]}?)" if near else ""
+      near = nearest_key(part, keys)
+      hint = f" (did you mean --{walked}.{near}?)" if near else ""
       return (f"--{walked}.{part}: no such key in the config{hint}; the keys of {walked} are: "
               f"{', '.join(keys)}")
     node, walked = node[part], f"{walked}.{part}"

@@ -16,7 +16,7 @@ from configs.default import get_config
 from jaxagent import train
 from jaxagent.runs import layout, setup
 from jaxagent.runs.lock import WorkdirLockedError
-from jaxagent.runs.programs import Programs
+from jaxagent.runs.programs import programs_for
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -55,9 +55,7 @@ def test_resume_is_exact(tmp_path):
   data = tmp_path / "data"
   full, split = tmp_path / "full", tmp_path / "split"
   config = _rl_only(4, **{"data.dir": str(data)})
-  model_config, tokenizer = setup.load_skeleton(config)
-  programs = Programs(model_config, setup.make_env(config, tokenizer),
-                      env_spec=setup.env_spec(config))
+  programs = programs_for(config, *setup.load_skeleton(config))
   train.run(config, full, programs=programs)
   train.run(_rl_only(2, **{"data.dir": str(data)}), split, programs=programs)
   # Same run, continued: a config with more steps resumes from the step-2 checkpoint.

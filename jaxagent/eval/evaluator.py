@@ -26,7 +26,7 @@ from jaxagent.rollout.stats import trajectory_stats
 from jaxagent.rollout.trajectory import Trajectory
 from jaxagent.runs import config as sections
 from jaxagent.runs import layout, setup
-from jaxagent.runs.programs import Programs
+from jaxagent.runs.programs import Programs, programs_for
 
 TRAJ_FIELDS = tuple(f.name for f in dataclasses.fields(Trajectory))
 
@@ -59,8 +59,7 @@ class EnvSet:
                programs: Programs | None = None):
     e = sections.eval_config(config)
     self.config = config
-    self.programs = programs or Programs(policy.config, setup.make_env(config, policy.tokenizer),
-                                         env_spec=setup.env_spec(config))
+    self.programs = programs_for(config, policy.config, policy.tokenizer, programs)
     self.env = self.programs.env
     if test_arrays is None:
       test_arrays = setup.load_tasks(config, workdir, "test")
@@ -109,8 +108,6 @@ class Evaluator:
     self.budgets = list(e.budgets)
     self.budget_visible = e.budget_visible
     self.policy = setup.load_policy(config)
-    if programs is not None and not programs.serves(self.policy.config, setup.env_spec(config)):
-      raise ValueError("the programs given were built for another model or environment")
     root = workdir if workdir is not None else config.data.dir or "."
     self.main = EnvSet(config, self.policy, root, test_arrays, programs)
     self.programs, self.env = self.main.programs, self.main.env

@@ -32,6 +32,7 @@ from typing import Any, Callable, Mapping
 
 import ml_collections
 
+import jaxagent.envs as envs
 from jaxagent.learners.update import LearnerConfig
 from jaxagent.rollout.budget import PER_MODES, Budget, BudgetSpecError
 
@@ -238,11 +239,7 @@ def _read(cls, section: ml_collections.ConfigDict | Mapping, name: str,
   hints = typing.get_type_hints(cls)
   fields = [f.name for f in dataclasses.fields(cls)]
   valid = fields + [k for k in extra if k not in fields]
-  unknown = sorted(set(items) - set(valid))
-  if unknown:
-    raise ConfigError(f"{'config.' + name if name else 'config'}: unknown key(s) "
-                      f"{', '.join(_key(name, k) for k in unknown)}"
-                      f"{suggest(unknown, valid, name)}; valid keys: {', '.join(valid)}")
+  reject_unknown(items, valid, name)
   for key in valid:
     if key not in items:
       raise ConfigError(f"{_key(name, key)} is missing; add it to the config ({_DEFAULTS})")
@@ -271,13 +268,28 @@ def _key(name: str, key: str) -> str:
   return f"config.{name}.{key}" if name else f"config.{key}"
 
 
-def suggest(unknown, valid, name: str) -> str:
-  """" (did you mean config.<name>.<key>?)" for the first unknown key with a close valid one."""
-  for k in unknown:
-    near = difflib.get_close_matches(k, list(valid), n=1, cutoff=0.6)
-    if near:
-      return f" (did you mean {_key(name, near[0])}?)"
-  return ""
+def nearest_key(key: str, valid) -> str | None:
+  """The valid key `key` was most likely meant to be: a close spelling, else one whose word
+  initials it is (lr -> learning_rate), else one containing it; None when nothing is near."""
+  valid = list(valid)
+  near = (difflib.get_close_matches(key, valid, n=1, cutoff=0.6)
+          or [k for k in valid if "".join(w[:1] for w in k.split("_")) == key]
+          or [k for k in valid if key in k])
+  return near[0] if near else None
+
+
+def reject_unknown(present, valid, name: str) -> None:
+  """ConfigError naming every key of `present` not in `valid` (section `name`, "" at the top
+  level), the nearest valid key to the first one that has one, and the valid keys."""
+  valid = list(valid)
+  unknown = sorted(set(present) - set(valid))
+  if not unknown:
+    return
+  near = next(((k, n) for k in unknown if (n := nearest_key(k, valid))), None)
+  hint = f" (did you mean {_key(name, near[1])}?)" if near else ""
+  raise ConfigError(f"{'config.' + name if name else 'config'}: unknown key(s) "
+                    f"{', '.join(_key(name, k) for k in unknown)}{hint}; valid keys: "
+                    f"{', '.join(valid)}")
 
 
 # -- parsers ----------------------------------------------------------------------------------
@@ -345,12 +357,8 @@ def _learner(section, plain: dict) -> LearnerConfig:
   if "temperature" in items:
     raise ConfigError("config.rl.learner.temperature: set config.rl.temperature instead (the "
                       "learner recomputes log-probs at the rollout temperature)")
-  fields = [f.name for f in dataclasses.fields(LearnerConfig) if f.name != "temperature"]
-  unknown = sorted(set(items) - set(fields))
-  if unknown:
-    raise ConfigError(f"config.rl.learner: unknown key(s) "
-                      f"{', '.join(f'config.rl.learner.{k}' for k in unknown)}"
-                      f"{suggest(unknown, fields, 'rl.learner')}; valid keys: {', '.join(fields)}")
+  reject_unknown(items, [f.name for f in dataclasses.fields(LearnerConfig)
+                         if f.name != "temperature"], "rl.learner")
   try:
     learner = LearnerConfig.from_config({**items, "temperature": plain["temperature"]})
   except ValueError as e:
@@ -492,21 +500,24 @@ def guard_config(config) -> GuardConfig:
 def run_section(config) -> RunSection:
   """The top-level keys; unknown top-level keys or sections raise (with the nearest key)."""
   fields = [f.name for f in dataclasses.fields(RunSection)]
-  valid = fields + list(SECTIONS)
-  unknown = sorted(set(config.keys()) - set(valid))
-  if unknown:
-    near = [difflib.get_close_matches(k, valid, n=1, cutoff=0.6) for k in unknown]
-    hint = next((f" (did you mean config.{n[0]}?)" for n in near if n), "")
-    raise ConfigError(f"config: unknown key(s) {', '.join(f'config.{k}' for k in unknown)}"
-                      f"{hint}; valid keys: {', '.join(valid)}")
+  reject_unknown(config.keys(), fields + list(SECTIONS), "")
   top = {k: config[k] for k in fields if k in config}
   return _read(RunSection, top, "")
 
 
+def check_env(config) -> None:
+  """config.env.name must name a registered environment (its knobs are checked when it is
+  built: an unknown knob raises TypeError from the environment's constructor)."""
+  name = _section(config, "env").name
+  _require(name in envs.names(), f"config.env.name={name!r} is not an environment; choose one "
+           f"of {envs.names()}")
+
+
 def validate(config) -> None:
-  """Reads every typed section (top-level keys, model, data, guard, sft, rl, eval); raises the
-  first ConfigError, naming the key, the bad value and the accepted range."""
+  """Reads every typed section (top-level keys, model, env, data, guard, sft, rl, eval); raises
+  the first ConfigError, naming the key, the bad value and the accepted range."""
   run_section(config)
+  check_env(config)
   model_config(config)
   data_config(config)
   guard_config(config)

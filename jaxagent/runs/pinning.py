@@ -72,11 +72,9 @@ def pin_config(config, workdir, *, allow_change: bool = False) -> dict[str, tupl
           f"{CONFIG_FILE}:\n{lines}\nrerun with the original values, use a new --workdir, or "
           f"pass --allow_config_change to continue with the change (recorded in {CHANGES_FILE})")
   if changes:
-    reached = {}
-    for phase in layout.PHASES:
-      steps = [s for p, s in (layout.checkpoint_steps(workdir)
-                              if (workdir / "checkpoints").is_dir() else []) if p == phase]
-      reached[phase] = max(steps) if steps else 0
+    kept = layout.checkpoint_steps(workdir) if (workdir / "checkpoints").is_dir() else []
+    reached = {phase: max((s for p, s in kept if p == phase), default=0)
+               for phase in layout.PHASES}
     record = {"time": time.strftime("%Y-%m-%d %H:%M:%S"), "steps_reached": reached,
               "changes": {k: {"old": a, "new": b} for k, (a, b) in changes.items()},
               "pinned": sorted(k for k in changes if not _free(k))}

@@ -1,6 +1,6 @@
 """`Programs`: the owner of every compiled function of one (model config, environment).
 
-    programs = Programs(policy.config, env, env_spec=setup.env_spec(config))
+    programs = programs_for(config, policy.config, policy.tokenizer)
     traj = programs.rollouts(params, key, tasks, group_size, budgets, max_turns=8, mesh=mesh)
     optimizer, update = programs.update(learner_config, total_steps)
     optimizer, step = programs.sft_step(sft_config)
@@ -25,6 +25,7 @@ from jaxagent.learners.update import LearnerConfig, make_optimizer, make_update_
 from jaxagent.models.config import ModelConfig
 from jaxagent.rollout import replay as replay_lib
 from jaxagent.rollout.api import Rollouts
+from jaxagent.runs import setup
 from jaxagent.runs.config import SFTConfig
 
 
@@ -86,3 +87,16 @@ class Programs:
     a = int(max_action_tokens)
     return self._get("next_action", a,
                      lambda: replay_lib.make_next_action_fn(self.model_config, self.env, a))
+
+
+def programs_for(config, model_config: ModelConfig, tokenizer,
+                 programs: Programs | None = None) -> Programs:
+  """`programs` when given (checked to serve this model and the config's environment), else new
+  ones for them (the environment built from the config with `tokenizer`)."""
+  spec = setup.env_spec(config)
+  if programs is None:
+    return Programs(model_config, setup.make_env(config, tokenizer), env_spec=spec)
+  if not programs.serves(model_config, spec):
+    raise ValueError(f"the programs given were built for another model or environment "
+                     f"({programs.env_spec}); build them with this config's policy and env")
+  return programs

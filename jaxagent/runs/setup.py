@@ -49,10 +49,8 @@ def env_spec(config) -> tuple[str, tuple]:
 
 
 def make_env(config, tokenizer):
-  """A new environment of the config (config.env.name with config.env.difficulty's knobs)."""
-  if config.env.name not in envs.names():
-    raise ValueError(f"config.env.name={config.env.name!r} is not an environment; choose one of "
-                     f"{envs.names()}")
+  """A new environment of the config (config.env.name with config.env.difficulty's knobs; the
+  name is checked with the rest of the config, `jaxagent.runs.config.validate`)."""
   return envs.make(config.env.name, tokenizer, **dict(config.env.difficulty))
 
 
