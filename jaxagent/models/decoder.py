@@ -30,32 +30,25 @@ from jaxagent.sharding.mesh import constrain_batch
 
 # Cache slots per block of the blocked attention over a KV cache (see `_cache_attention`).
 CACHE_BLOCK = 128
-# Longest chunk (queries per row) whose cache attention takes the dense path (`attention_path`).
-DENSE_MAX_CHUNK = 16
 _NEG = -1e30  # finite "minus infinity": fully masked rows stay NaN-free
 
 
 @struct.dataclass
 class KVCache:
-  # One array per layer, heads before slots, keys transposed (slots minor). Measured on XLA's CPU
-  # backend (decode, 64 rows, 2 layers of 1024 slots): reading a layer out of one stacked
-  # [layers, ...] array copied it on every step (27 ms for 67 MB of keys and values), a prefix
-  # slice of it copied too (12-14 ms), while per-layer arrays are read in place (3.6-4.6 ms,
-  # near the 1.7 ms of the read bandwidth); with slots major, q.k^T ran at ~1/15 of it.
-  k: tuple           # per layer [B, kv_heads, head_dim, S] compute dtype
-  v: tuple           # per layer [B, kv_heads, S, head_dim]
+  # Heads before slots: attention contracts [B, kv_heads] batches of [S, head_dim] matrices with
+  # no transpose of the cache (a [B, S, kv_heads, ...] layout made XLA copy it every step).
+  k: jax.Array       # [layers, B, kv_heads, S, head_dim] compute dtype
+  v: jax.Array       # [layers, B, kv_heads, S, head_dim]
   length: jax.Array  # [B] int32: number of valid slots per row
 
   @property
   def capacity(self) -> int:
-    return self.k[0].shape[-1]
+    return self.k.shape[3]
 
 
 def init_cache(cfg: ModelConfig, batch: int, capacity: int) -> KVCache:
-  kv, hd, dt = cfg.num_kv_heads, cfg.head_dim, cfg.jnp_dtype
-  zeros = lambda shape: jnp.zeros(shape, dt)
-  return KVCache(k=tuple(zeros((batch, kv, hd, capacity)) for _ in range(cfg.num_layers)),
-                 v=tuple(zeros((batch, kv, capacity, hd)) for _ in range(cfg.num_layers)),
+  shape = (cfg.num_layers, batch, cfg.num_kv_heads, capacity, cfg.head_dim)
+  return KVCache(k=jnp.zeros(shape, cfg.jnp_dtype), v=jnp.zeros(shape, cfg.jnp_dtype),
                  length=jnp.zeros((batch,), jnp.int32))
 
 
@@ -149,42 +142,35 @@ def apply_rope(x_blhd, cos, sin):
   return out.astype(x_blhd.dtype)
 
 
-def _dense_cache_attention(q, kc, vc, length):
-  """One masked softmax of each query over the whole cache (slot <= length + its index): the
-  plain computation, reading the layer's cache in place (`KVCache`)."""
-  dt = q.dtype
-  hd, l, s = q.shape[-1], q.shape[-2], kc.shape[-1]
-  # q.k^T as a sum over head_dim of [S]-wide rows: one fused loop streaming the keys (about
-  # twice the read rate of XLA's CPU batched matrix-vector dot on this layout).
-  qf, kf = q.astype(jnp.float32), kc.astype(jnp.float32)
-  sc = sum(qf[..., d, None] * kf[:, :, None, None, d, :] for d in range(hd)) * hd ** -0.5
-  ok = jnp.arange(s)[None, None, :] <= length[:, None, None] + jnp.arange(l)[None, :, None]
-  sc = jnp.where(ok[:, None, None], sc, _NEG)                                # [B, K, G, L, S]
-  probs = jax.nn.softmax(sc, axis=-1).astype(dt)
-  return jnp.einsum("bkgls,bksd->bkgld", probs, vc.astype(dt),
-                    preferred_element_type=jnp.float32).astype(dt)
+def _cache_attention(q, k_all, v_all, layer, length, scores, v, block: int):
+  """Attention of a chunk's queries over the cache's valid slots plus the chunk itself.
 
-
-def _blocked_cache_attention(q, kc, vc, length, block: int):
-  """The same attention read in blocks of `block` slots up to the longest row, with an online
-  softmax (as in flash decoding): scores are [L, block] per head instead of [L, S]."""
+  q [B, K, G, L, hd] (compute dtype); k_all/v_all [layers, B, K, S, hd], read at `layer`; length
+  [B] valid slots per row; scores [B, K, G, L, L] float32, the chunk's masked self-scores, and v
+  [B, K, L, hd] its values. The cache is read in blocks of `block` slots up to the longest row
+  (an online softmax, as in flash decoding), so a step costs the context actually used, not the
+  cache's capacity, and no layer's cache is ever copied.
+  """
   dt = q.dtype
-  b, kh, hd, s = kc.shape
-  g, l = q.shape[2], q.shape[3]
-  last = length[:, None] + jnp.arange(l)[None, :]                # [B, L] last slot per query
-  num_blocks = (jnp.max(last) + block) // block
+  _, b, kh, s, hd = k_all.shape
+  block = min(block, s)
+  m = jnp.max(scores, axis=-1, keepdims=True)            # finite: a query always sees itself
+  p = jnp.exp(scores - m)
+  den = jnp.sum(p, axis=-1, keepdims=True)
+  acc = jnp.einsum("bkgls,bksd->bkgld", p.astype(dt), v, preferred_element_type=jnp.float32)
+  num_blocks = (jnp.max(length) + block - 1) // block
   scale = hd ** -0.5
 
   def body(j, carry):
     m, den, acc = carry
     start = jnp.minimum(j * block, s - block)            # the last block may overlap the previous
-    kb = jax.lax.dynamic_slice(kc, (0, 0, 0, start), (b, kh, hd, block))
-    vb = jax.lax.dynamic_slice(vc, (0, 0, start, 0), (b, kh, block, hd))
+    kb = jax.lax.dynamic_slice(k_all, (layer, 0, 0, start, 0), (1, b, kh, block, hd))[0]
+    vb = jax.lax.dynamic_slice(v_all, (layer, 0, 0, start, 0), (1, b, kh, block, hd))[0]
     slot = start + jnp.arange(block)
-    ok = (slot[None, None, :] >= j * block) & (slot[None, None, :] <= last[:, :, None])
-    sc = jnp.einsum("bkgld,bkds->bkgls", q, kb.astype(dt),
+    ok = (slot[None, :] >= j * block) & (slot[None, :] < length[:, None])     # [B, block]
+    sc = jnp.einsum("bkgld,bksd->bkgls", q, kb.astype(dt),
                     preferred_element_type=jnp.float32) * scale
-    sc = jnp.where(ok[:, None, None], sc, _NEG)
+    sc = jnp.where(ok[:, None, None, None, :], sc, _NEG)
     m_new = jnp.maximum(m, jnp.max(sc, axis=-1, keepdims=True))
     pb = jnp.exp(sc - m_new)
     fix = jnp.exp(m - m_new)
@@ -193,30 +179,17 @@ def _blocked_cache_attention(q, kc, vc, length, block: int):
                                  preferred_element_type=jnp.float32)
     return m_new, den, acc
 
-  init = (jnp.full((b, kh, g, l, 1), _NEG, jnp.float32), jnp.zeros((b, kh, g, l, 1), jnp.float32),
-          jnp.zeros((b, kh, g, l, hd), jnp.float32))
-  _, den, acc = jax.lax.fori_loop(0, num_blocks, body, init)
+  _, den, acc = jax.lax.fori_loop(0, num_blocks, body, (m, den, acc))
   return (acc / den).astype(dt)
 
 
-def attention_path(chunk_len: int) -> str:
-  """The cache-attention path for a chunk of `chunk_len` queries (static): "dense" (one masked
-  product over the whole cache, read in place) for decode-sized chunks, where reading every slot
-  costs less than copying blocks out of the cache; "blocked" (an online softmax over copied
-  blocks up to the longest row) for prefill chunks, whose scores over the whole cache would be
-  [chunk, capacity] per head and whose products are large enough to amortise the copies."""
-  return "dense" if chunk_len <= DENSE_MAX_CHUNK else "blocked"
+def _layer(cfg: ModelConfig, x_bld, p, cos, sin, mask_bls, cache=None, layer=None,
+           cache_block: int = 0):
+  """One block. Returns (x, k, v) with this chunk's keys/values k, v [B, kv_heads, L, hd].
 
-
-def _layer(cfg: ModelConfig, x_bld, p, cos, sin, mask_bls=None, cache=None, layer: int = 0,
-           cache_block: int = 0, attention: str = "dense"):
-  """One block. Returns (x, cache k of this layer, cache v of this layer).
-
-  Without a cache, queries attend the chunk under `mask_bls` [B, L, L]. With one, the chunk's
-  k/v are first written into this layer's cache at slots length[b] + l, then query l attends
-  slots <= length[b] + l (`attention`: "dense" or "blocked", see `attention_path`). Writing
-  before reading makes the read depend on the write, so XLA updates the cache in place; a write
-  after the read (which does not depend on it) made XLA copy the layer's cache every step.
+  Queries attend the chunk under `mask_bls` [B, L, L] and, with a `cache`, its valid slots too
+  (read only: the caller writes the chunk's k/v into the cache once, after all layers; writing
+  each layer's slice inside the layer loop made XLA copy the cache every decode step).
   """
   dt = cfg.jnp_dtype
   w = lambda name: p[name].astype(dt)
@@ -230,39 +203,30 @@ def _layer(cfg: ModelConfig, x_bld, p, cos, sin, mask_bls=None, cache=None, laye
     q = rms_norm(q, p["q_norm"], cfg.rms_norm_eps)
     k = rms_norm(k, p["k_norm"], cfg.rms_norm_eps)
   q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+  k = k.transpose(0, 2, 1, 3)                                   # [B, kv_heads, L, hd]
+  v = v.transpose(0, 2, 1, 3)
   b, l, nh, hd = q.shape
   groups = nh // cfg.num_kv_heads
   q = q.reshape(b, l, cfg.num_kv_heads, groups, hd).transpose(0, 2, 3, 1, 4)   # [B, K, G, L, hd]
+  scores = jnp.einsum("bkgld,bksd->bkgls", q, k, preferred_element_type=jnp.float32)
+  scores = jnp.where(mask_bls[:, None, None], scores * (hd ** -0.5), _NEG)
   if cache is None:
-    k = k.transpose(0, 2, 1, 3)                                 # [B, kv_heads, L, hd]
-    v = v.transpose(0, 2, 1, 3)
-    scores = jnp.einsum("bkgld,bksd->bkgls", q, k, preferred_element_type=jnp.float32)
-    scores = jnp.where(mask_bls[:, None, None], scores * (hd ** -0.5), _NEG)
     probs = jax.nn.softmax(scores, axis=-1).astype(dt)
     attn = jnp.einsum("bkgls,bksd->bkgld", probs, v)
-    kc = vc = None
   else:
-    rows = jnp.arange(b)[:, None]
-    slots = cache.length[:, None] + jnp.arange(l)[None, :]                   # [B, L]
-    # Advanced indices on dims 0 and 3 (2 for values) put [B, L] first: [B, L, kv, hd].
-    kc = cache.k[layer].at[rows, :, :, slots].set(k.astype(cache.k[layer].dtype), mode="drop")
-    vc = cache.v[layer].at[rows, :, slots, :].set(v.astype(cache.v[layer].dtype), mode="drop")
-    if attention == "dense":
-      attn = _dense_cache_attention(q, kc, vc, cache.length)
-    else:
-      attn = _blocked_cache_attention(q, kc, vc, cache.length, min(cache_block, kc.shape[-1]))
+    attn = _cache_attention(q, cache.k, cache.v, layer, cache.length, scores, v, cache_block)
   attn = attn.transpose(0, 3, 1, 2, 4).reshape(b, l, nh, hd)
   x_bld = x_bld + jnp.einsum("blhk,hkd->bld", attn, w("o_proj"))
   h = rms_norm(x_bld, p["mlp_norm"], cfg.rms_norm_eps)
   gate = jnp.einsum("bld,df->blf", h, w("gate_proj"))
   up = jnp.einsum("bld,df->blf", h, w("up_proj"))
   x_bld = x_bld + jnp.einsum("blf,fd->bld", jax.nn.silu(gate) * up, w("down_proj"))
-  return x_bld, kc, vc
+  return x_bld, k, v
 
 
 def apply(cfg: ModelConfig, params: dict, tokens, positions=None, *, attention_mask=None,
           cache: KVCache | None = None, chunk_lens=None, return_hidden: bool = False,
-          cache_block: int = CACHE_BLOCK, attention: str = "auto"):
+          cache_block: int = CACHE_BLOCK):
   """Runs the decoder.
 
   Args:
@@ -283,16 +247,18 @@ def apply(cfg: ModelConfig, params: dict, tokens, positions=None, *, attention_m
   """
   b, l = tokens.shape
   idx = jnp.arange(l)
+  causal = idx[None, :, None] >= idx[None, None, :]                          # [1, L(q), L(k)]
   if cache is None:
     valid = jnp.ones((b, l), bool) if attention_mask is None else attention_mask.astype(bool)
     if positions is None:
       positions = jnp.maximum(jnp.cumsum(valid.astype(jnp.int32), axis=1) - 1, 0)
-    mask = (idx[None, :, None] >= idx[None, None, :]) & valid[:, None, :]      # [B, L, L]
+    mask = causal & valid[:, None, :]                                         # [B, L, L]
   else:
     if chunk_lens is None:
       chunk_lens = jnp.full((b,), l, jnp.int32)
     if positions is None:
       positions = cache.length[:, None] + idx[None, :]
+    mask = jnp.broadcast_to(causal, (b, l, l))
   cos, sin = rope_tables(cfg, positions)
   x = jnp.take(params["embed"], tokens, axis=0).astype(cfg.jnp_dtype)
 
@@ -304,20 +270,26 @@ def apply(cfg: ModelConfig, params: dict, tokens, positions=None, *, attention_m
 
     x, _ = jax.lax.scan(body, x, params["layers"])
   else:
-    path = attention_path(l) if attention == "auto" else attention
-    # Layers unrolled: a static index per layer reads its cache in place (see `KVCache`).
-    new_k, new_v = [], []
-    for i in range(cfg.num_layers):
+    # The cache is read only inside the layer loop; each layer returns its chunk's k/v, and one
+    # scatter after the loop writes them (in place when the cache is a decode loop's carry).
+    def body(carry, p):
+      x, i = carry
       x = constrain_batch(x)
-      p = jax.tree.map(lambda w, i=i: w[i], params["layers"])
-      x, k, v = _layer(cfg, x, p, cos, sin, cache=cache, layer=i, cache_block=cache_block,
-                       attention=path)
-      new_k.append(k)
-      new_v.append(v)
+      x, k, v = _layer(cfg, x, p, cos, sin, mask, cache, i, cache_block)
+      return (x, i + 1), (k, v)
+
+    (x, _), (k_new, v_new) = jax.lax.scan(body, (x, jnp.int32(0)), params["layers"])
+    rows = jnp.arange(b)[:, None]
+    slots = cache.length[:, None] + idx[None, :]                             # [B, L]
+    # Advanced indices on dims 1 and 3 put [B, L] first: updates are [B, L, layers, kv, hd].
+    new_k = cache.k.at[:, rows, :, slots, :].set(
+        k_new.transpose(1, 3, 0, 2, 4).astype(cache.k.dtype), mode="drop")
+    new_v = cache.v.at[:, rows, :, slots, :].set(
+        v_new.transpose(1, 3, 0, 2, 4).astype(cache.v.dtype), mode="drop")
   x = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
   new_cache = None
   if cache is not None:
-    new_cache = KVCache(k=tuple(new_k), v=tuple(new_v), length=cache.length + chunk_lens.astype(jnp.int32))
+    new_cache = KVCache(k=new_k, v=new_v, length=cache.length + chunk_lens.astype(jnp.int32))
   if return_hidden:
     return x, new_cache
   return unembed(cfg, params, x), new_cache

@@ -49,7 +49,7 @@ loc(axes, shape) = elements of that global shape on one device under the rules (
         float32 log-softmax, entropy and their cotangents; `logprob_chunk` tokens at a time)
   update_batch = trajectory (below) + the update's copies: 4*loc(G, S) loss mask (+4*loc(G, S)
                 reference log-probs) + (12 (+4))*loc(M, S) for the gathered minibatch
-  kv_cache    = 2 * c * loc(N, G, K, S, hd) (k and v, per layer [B, kv_heads, S, head_dim],
+  kv_cache    = 2 * c * loc(N, G, K, S, hd) (k and v, [layers, B, kv_heads, S, head_dim],
                 batch over (data, fsdp), kv_heads over tensor) + 4*loc(G) lengths
   rollout_buffers = 36*loc(G, S): the engine's four [B, S] transcript buffers (16 bytes per
                 token) and the returned trajectory's five (20 bytes per token)
@@ -177,8 +177,7 @@ def optimizer_bytes(cfg: ModelConfig, mesh, optimizer: str = "adamw") -> int:
 
 def kv_cache_bytes(cfg: ModelConfig, mesh, batch: int, capacity: int) -> int:
   """Per-device bytes of `decoder.init_cache(cfg, batch, capacity)` placed by the rules: k and v
-  (per layer [B, kv_heads, head_dim, S] and [B, kv_heads, S, head_dim]) in the compute dtype,
-  plus the int32 lengths [B]."""
+  [layers, B, kv_heads, S, head_dim] in the compute dtype, plus the int32 lengths [B]."""
   shape = (cfg.num_layers, batch, cfg.num_kv_heads, capacity, cfg.head_dim)
   kv = local_elements(("layers", "batch", "kv_heads", "length", "head_dim"), shape, mesh)
   return 2 * kv * cfg.jnp_dtype.itemsize + 4 * local_elements(("batch",), (batch,), mesh)

@@ -91,19 +91,16 @@ def test_plan_equals_sharded_arrays(name, shape, tasks_n, group, builtin_tokeniz
   assert p.gradients == p.params
 
   cache = _start_cache(policy, env, mesh, tasks_n, group, rcfg)
-  assert len(cache.k) == len(cache.v) == cfg.num_layers
-  assert cache.k[0].shape == (g, cfg.num_kv_heads, cfg.head_dim, rcfg.context_len)
-  assert cache.v[0].shape == (g, cfg.num_kv_heads, rcfg.context_len, cfg.head_dim)
+  assert cache.k.shape == (cfg.num_layers, g, cfg.num_kv_heads, rcfg.context_len, cfg.head_dim)
   assert p.kv_cache == _bytes_on_device0((cache.k, cache.v, cache.length))
 
   # The rules' divisibility decides: not simply the global size over 8 devices.
   full_params = sum(x.nbytes for x in jax.tree.leaves(policy.params))
-  kv_nbytes = sum(x.nbytes for x in cache.k + cache.v)
-  full_kv = kv_nbytes + cache.length.nbytes
+  full_kv = cache.k.nbytes + cache.v.nbytes + cache.length.nbytes
   if name == "micro":
     # k, v: batch 8 over data x fsdp = 4 and kv_heads 2 over tensor = 2; lengths over 4.
     assert p.batch_per_device == 2 and p.notes == ()
-    assert p.kv_cache == kv_nbytes // 8 + cache.length.nbytes // 4
+    assert p.kv_cache == (cache.k.nbytes + cache.v.nbytes) // 8 + cache.length.nbytes // 4
   else:
     assert p.batch_per_device == 6
     assert any("6 episodes do not divide data x fsdp = 4" in n for n in p.notes)
