@@ -108,6 +108,20 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.study.tight_budget = "fixed:4"
   c.study.generous_budget = "fixed:8"
   c.study.mix_budget = "mix:3,4,6,8"
+  # Every RL arm is trained with this many seeds from the same base (seed u of every arm shares
+  # its rollout keys: paired); the verdicts' intervals resample seeds, then tasks.
+  c.study.seeds = 3
+  # SFT bases (different seeds); RL seed u starts from base u mod base_seeds.
+  c.study.base_seeds = 1
+  # The claims' rules (jaxagent.eval.claims), fixed before the numbers: the smallest effect of
+  # interest on rates and Pass@1 (absolute), the margin of "not worse than" (claim 3), and claim
+  # 4's margin in nats per trajectory over the gap between two seeds of one arm.
+  c.study.margin_effect = 0.02
+  c.study.margin_non_inferiority = 0.05
+  c.study.margin_loglik_nats = 1.0
+  # Fewer seeds per arm, or a statistic resting on fewer tasks, reads "inconclusive".
+  c.study.min_seeds = 2
+  c.study.min_tasks = 10
 
   # Divergence guard (beside the NaN guard): stop a run that cannot be learning after this many
   # consecutive steps of it: gradients exactly zero (SFT; RL while the advantages are not all
@@ -130,8 +144,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.eval.mode = "truncation"
   # Budgets of rerun mode, comma separated, each <= max_turns.
   c.eval.rerun_budgets = "2,4,6,8"
-  # Rerun mode tells the agent its budget (set False to check it against truncation mode).
-  c.eval.rerun_budget_visible = True
+  # Rerun mode tells the agent its budget. A comparison requires it to match the training runs'
+  # rl.budget_visible (truncation mode always hides it).
+  c.eval.rerun_budget_visible = False
   # Temperature of evaluation rollouts and sampled next actions; likelihoods are scored at it.
   c.eval.temperature = 1.0
   # Tokens per turn, <eot> included (0 = the environment's max_action_len).
@@ -140,9 +155,13 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.eval.num_tasks = 0
   # Test tasks per rollout batch (x num_samples episodes); fixed, so one program is compiled.
   c.eval.tasks_per_batch = 32
-  # Reference states per source (oracle prefixes, base prefixes, base error states): a seeded
+  # Reference states of step quality per source (oracle prefixes, base prefixes): a seeded
   # subset of at most this many (0 = all).
   c.eval.max_reference_states = 256
+  # Error states of controlled recovery (the base's error prefixes): at most this many (0 = all;
+  # the default's ~2,000 are all used: recovery on errors that need a different action rests on
+  # a few hundred of them).
+  c.eval.max_error_states = 0
   # States per next-action batch, and trajectories per scoring batch.
   c.eval.state_batch = 64
   c.eval.score_batch = 32
@@ -180,6 +199,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.eval.num_samples = 4
     c.eval.tasks_per_batch, c.eval.max_reference_states = 32, 64
     c.eval.state_batch, c.eval.likelihood_trajectories, c.eval.num_bootstrap = 32, 64, 300
+    c.study.seeds = 2
   elif variant == "smoke":
     c.env.name = "lookup"
     c.env.difficulty = ml_collections.ConfigDict({"hops": 1, "distractor_entities": 2})
@@ -196,4 +216,5 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.eval.likelihood_trajectories = 0
     c.eval.curve_ks = "1,2,4"
     c.study.tight_budget, c.study.generous_budget, c.study.mix_budget = "fixed:2", "fixed:4", "mix:2,4"
+    c.study.seeds, c.study.min_tasks = 2, 4
   return c

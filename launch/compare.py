@@ -1,9 +1,12 @@
 """Compare several evaluated runs side by side and decide the claims of docs/STUDY.md.
 
-    python -m launch.compare --config=configs/default.py:smoke \\
-        --run base=W0 --run fixed_tight=W1 --run fixed_generous=W2 --run budgetmix=W3 --out D
+    python -m launch.compare --config=configs/default.py:smoke --run base=W0 \\
+        --run fixed_generous_s0=W1 --run fixed_generous_s1=W2 \\
+        --run budgetmix_s0=W3 --run budgetmix_s1=W4 --out D
 
-Each workdir must have been evaluated first (python -m launch.evaluate ...). Writes
+A label ARM_sN is seed N of arm ARM; every arm needs the same seeds, and the claims need at least
+config.study.min_seeds of them. Each workdir must have been evaluated first (python -m
+launch.evaluate ...). Writes
 D/{comparison.json, comparison.md, *.png} (see jaxagent.eval.compare).
 """
 
@@ -22,7 +25,8 @@ _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file the runs 
                                           lock_config=True)
 _RUNS = flags.DEFINE_multi_string("run", [], "label=workdir (repeat per run).")
 _OUT = flags.DEFINE_string("out", None, "Output directory.")
-_BASE = flags.DEFINE_string("base", "base", "Label of the base policy's run.")
+_BASE = flags.DEFINE_string("base", "base", "Arm name of the base policy's run(s) (base, or "
+                            "base_s0, base_s1, ...).")
 flags.mark_flags_as_required(["config", "out"])
 
 
@@ -45,7 +49,7 @@ def main(argv):
   from jaxagent.eval import compare
   comp = compare.compare(parse_runs(_RUNS.value), _OUT.value, _CONFIG.value, base=_BASE.value)
   for num, c in comp["claims"].items():
-    print(f"claim {num}: {c['verdict']}")
+    print(f"claim {num}: {c['verdict']} (decided on {c['decided_on']})")
   print(comp["dir"])
 
 

@@ -35,8 +35,8 @@ def main(argv):
   print(f"\nstudy finished in {(time.perf_counter() - start) / 60:.1f} min")
   print(f"report: {report / 'comparison.md'} (JSON: comparison.json, plots: *.png)")
   for num, claim in summary["claims"].items():
-    runs = ", ".join(f"{lab}: {p['verdict']}" for lab, p in claim["per_run"].items())
-    print(f"  claim {num}: {claim['verdict']} ({runs})")
+    arms = ", ".join(f"{arm}: {p['verdict']}" for arm, p in claim["per_arm"].items())
+    print(f"  claim {num}: {claim['verdict']} on {claim['decided_on']} ({arms})")
   (report / "summary.json").write_text(json.dumps(
       {"minutes": (time.perf_counter() - start) / 60, "report": str(report)}, indent=2))
 

@@ -68,18 +68,22 @@ def _train_config(workdir, config) -> dict:
   rl = config.rl
   found = {"budget": rl.budget, "budget_per": rl.budget_per, "steps": rl.steps,
            "budget_visible": rl.budget_visible}
+  seed = config.seed
   path = pathlib.Path(workdir) / "config.json"
   if path.exists():
     try:
-      written = json.loads(path.read_text()).get("rl", {})
+      whole = json.loads(path.read_text())
     except json.JSONDecodeError:
-      written = {}
+      whole = {}
+    written = whole.get("rl", {})
     found.update({k: written[k] for k in found if k in written})
+    seed = whole.get("seed", seed)
+  found["seed"] = seed
   found["arm"] = Budget.parse(found["budget"], per=found["budget_per"]).arm
   return found
 
 
-def _episodes_arrays(ev: Evaluator, success_by_t, traj, analyses) -> dict:
+def _episodes_arrays(ev: Evaluator, success_by_t, traj, analyses=None) -> dict:
   out = {"success_turn": success_by_t[-1].astype(np.int32),
          "success_turn_by_t": success_by_t.astype(np.int32),
          "budgets": np.asarray(ev.budgets if ev.e.mode == "rerun" else [ev.max_turns], np.int32),
@@ -87,6 +91,8 @@ def _episodes_arrays(ev: Evaluator, success_by_t, traj, analyses) -> dict:
          "optimal_turns": np.asarray(traj.optimal_turns).reshape(ev.num_tasks, -1)[:, 0]}
   out.update({f"task/{k}": v for k, v in ev.test_arrays.items()})
   out.update({f"traj/{f}": np.asarray(getattr(traj, f)) for f in TRAJ_FIELDS})
+  if analyses is None:
+    return out
   for prefix, outcomes in (("sq", analyses.step_quality), ("rec", analyses.recovery)):
     for who, modes in outcomes.items():
       for m, o in modes.items():
@@ -103,19 +109,26 @@ def _eval_lock(workdir) -> WorkdirLock:
 
 
 def evaluate_checkpoint(config, workdir, step: int | None = None, *,
-                        evaluator: Evaluator | None = None, phase: str | None = None) -> dict:
+                        evaluator: Evaluator | None = None, phase: str | None = None,
+                        analyses: bool = True) -> dict:
   """Evaluates one checkpoint of `workdir` (default: the latest) and writes its eval directory.
+
+  analyses=False: rollouts only (Pass@(K,T), episode statistics, the trajectories): what a
+  comparison of runs needs, which recomputes step quality, recovery and likelihoods for every run
+  on common states (`jaxagent.eval.compare`).
 
   Returns the report dict (also in report.json), with "dir" the output directory.
   Raises FileNotFoundError (naming the fix) when the workdir or step has no checkpoint, and
   WorkdirLockedError when another evaluator is writing this workdir's evaluations.
   """
   with _eval_lock(workdir):
-    return _evaluate_checkpoint(config, workdir, step, evaluator=evaluator, phase=phase)
+    return _evaluate_checkpoint(config, workdir, step, evaluator=evaluator, phase=phase,
+                                analyses=analyses)
 
 
 def _evaluate_checkpoint(config, workdir, step: int | None = None, *,
-                         evaluator: Evaluator | None = None, phase: str | None = None) -> dict:
+                         evaluator: Evaluator | None = None, phase: str | None = None,
+                         analyses: bool = True) -> dict:
   workdir = pathlib.Path(workdir)
   e = sections.eval_config(config)
   phase, step = layout.resolve_checkpoint(workdir, e.phase if phase is None else phase, step)
@@ -155,17 +168,6 @@ def _evaluate_checkpoint(config, workdir, step: int | None = None, *,
   lap("policy_rollouts")
   t_top = ev.max_turns if e.mode == "truncation" else ev.budgets[-1]
 
-  # The base policy's runs at the same budget and keys; the oracle's (forced) runs.
-  base_traj = ev.memo(("base", base_desc, t_top), lambda: traj if is_base else ev.rollouts(
-      base_params, k_roll, t_top, budget_visible=ev.budget_visible, temperature=temp))
-  # Forced oracle actions: the transcript does not depend on the params rolled out with.
-  oracle_traj = ev.memo(("oracle", t_top), lambda: ev.rollouts(
-      params, k_oracle, t_top, budget_visible=ev.budget_visible, temperature=temp, group_size=1,
-      oracle=True))
-  lap("base_and_oracle_rollouts")
-  who = {POLICY: params, BASE: base_params}
-  analyses = ev.policy_analyses(who, oracle_traj, base_traj, k_oracle, k_act, ev.budget_visible)
-  lap("next_actions")
   train = _train_config(workdir, config)
   rep = {
       "definitions": report.DEFINITIONS,
@@ -173,31 +175,46 @@ def _evaluate_checkpoint(config, workdir, step: int | None = None, *,
               "difficulty": dict(config.env.difficulty), "train_budget": train["budget"],
               "train_budget_per": train["budget_per"], "train_arm": train["arm"],
               "train_budget_visible": train["budget_visible"], "rl_steps": train["steps"],
-              "base": base_desc},
+              "seed": train["seed"], "base": base_desc},
       "eval": {"mode": e.mode, "budgets": ev.budgets, "max_turns": ev.max_turns,
                "budget_visible": ev.budget_visible, "num_samples": n,
                "num_tasks": ev.num_tasks, "temperature": temp, "seed": e.seed,
                "max_action_tokens": ev.action_tokens, "num_bootstrap": e.num_bootstrap,
                "confidence": e.confidence},
       "pass_at_kt": grid,
-      "stats": {POLICY: trajectory_summary(traj), BASE: trajectory_summary(base_traj),
-                "oracle": trajectory_summary(oracle_traj)},
-      "reference_states": analyses.report["reference_states"],
-      "step_quality": analyses.report["step_quality"],
-      "recovery": {"on_policy": {POLICY: ev.on_policy(traj), BASE: ev.on_policy(base_traj)},
-                   "controlled": analyses.report["controlled"]},
+      "stats": {POLICY: trajectory_summary(traj)},
   }
-  lik = ev.likelihoods({POLICY: traj, BASE: base_traj}, who)
-  lik.pop("per_trajectory")
-  rep["likelihood"] = lik
-  lap("likelihood")
+  block = None
+  if analyses:
+    # The base policy's runs at the same budget and keys; the oracle's (forced) runs.
+    base_traj = ev.memo(("base", base_desc, t_top), lambda: traj if is_base else ev.rollouts(
+        base_params, k_roll, t_top, budget_visible=ev.budget_visible, temperature=temp))
+    # Forced oracle actions: the transcript does not depend on the params rolled out with.
+    oracle_traj = ev.memo(("oracle", t_top), lambda: ev.rollouts(
+        params, k_oracle, t_top, budget_visible=ev.budget_visible, temperature=temp,
+        group_size=1, oracle=True))
+    lap("base_and_oracle_rollouts")
+    who = {POLICY: params, BASE: base_params}
+    block = ev.policy_analyses(who, oracle_traj, base_traj, k_oracle, k_act, ev.budget_visible)
+    lap("next_actions")
+    rep["stats"].update({BASE: trajectory_summary(base_traj),
+                         "oracle": trajectory_summary(oracle_traj)})
+    rep.update({
+        "reference_states": block.report["reference_states"],
+        "step_quality": block.report["step_quality"],
+        "recovery": {"on_policy": {POLICY: ev.on_policy(traj), BASE: ev.on_policy(base_traj)},
+                     "controlled": block.report["controlled"]}})
+    lik = ev.likelihoods({POLICY: traj, BASE: base_traj}, who)
+    lik.pop("per_trajectory")
+    rep["likelihood"] = lik
+    lap("likelihood")
 
   out = workdir / "eval" / layout.eval_dir_name(phase, step)
   rep["dir"] = str(out)
   if not distributed.is_primary():          # every process computed it; one writes it
     return rep
   out.mkdir(parents=True, exist_ok=True)
-  np.savez_compressed(out / "episodes.npz", **_episodes_arrays(ev, success_by_t, traj, analyses))
+  np.savez_compressed(out / "episodes.npz", **_episodes_arrays(ev, success_by_t, traj, block))
   rep["files"] = ["report.json", "report.md", "episodes.npz"] + _run_plots(
       rep, out, [k for k in e.curve_ks if k <= n], f"{phase} step {step}")
   lap("write")
@@ -211,10 +228,14 @@ def _evaluate_checkpoint(config, workdir, step: int | None = None, *,
 
 def _run_plots(rep: dict, out: pathlib.Path, ks: list[int], title: str) -> list[str]:
   """The PNG plots of one evaluation; returns their file names."""
-  grid, lik, rec = rep["pass_at_kt"], rep["likelihood"], rep["recovery"]
+  grid = rep["pass_at_kt"]
   paths = [
       plots.pass_heatmap(grid, out / "pass_heatmap.png", f"Pass@(K,T), {title}"),
-      plots.pass_curves(grid, ks, out / "pass_curves.png", f"Pass@(K,T) vs T, {title}"),
+      plots.pass_curves(grid, ks, out / "pass_curves.png", f"Pass@(K,T) vs T, {title}")]
+  if "step_quality" not in rep:
+    return [pathlib.Path(p).name for p in paths]
+  lik, rec = rep["likelihood"], rep["recovery"]
+  paths += [
       plots.rate_bars(quality_bars(rep["step_quality"]), out / "step_quality.png",
                       "Step-level action quality (reference states)"),
       plots.rate_bars(recovery_bars(rec["controlled"]), out / "recovery.png",

@@ -1,22 +1,29 @@
 """Comparing runs: their evaluations side by side, with the claims of docs/STUDY.md decided.
 
-    compare({"base": W0, "fixed_tight": W1, "budgetmix": W2}, out_dir, config, base="base")
+    compare({"base": W0, "fixed_tight_s0": W1, "fixed_tight_s1": W2, "budgetmix_s0": W3, ...},
+            out_dir, config, base="base")
 
 Each run's newest evaluation (`jaxagent.eval.checkpoints`) is read back; the policy-level analyses
-(step quality, controlled recovery, cross log-likelihoods) are recomputed for every run on one
-common set of states. A run's arm (base, fixed, mix or schedule) comes from its training budget
-(`Budget.arm`), so `8`, `fixed:8` and `FIXED:8` are all fixed-T arms and a schedule is not a mix.
+(step quality, controlled recovery, log-likelihoods) are recomputed for every run on one common
+set of states. Labels `ARM_sN` are seed N of arm ARM (`arm_and_seed`); a label without the suffix
+is seed 0 of its own arm. Runs of the base arm (`base`, or `base_s0`, `base_s1`, ... when the
+base itself was trained with several seeds) are the bases; every other arm is an RL arm, all with
+the same seeds (paired: seed N of every arm). An arm's kind (fixed, mix or schedule) comes from
+its training budget (`Budget.arm`), so `8`, `fixed:8` and `FIXED:8` are all fixed-T arms and a
+schedule is not a mix. The claims are decided by `jaxagent.eval.claims`.
 """
 
 from __future__ import annotations
 
 import json
 import pathlib
+import re
 
 import jax
 import numpy as np
 
-from jaxagent.eval import pass_at_kt, plots, report
+from jaxagent.eval import claims as claims_lib
+from jaxagent.eval import evidence, likelihood, pass_at_kt, plots, report
 from jaxagent.eval.checkpoints import recovery_bars
 from jaxagent.eval.evaluator import TRAJ_FIELDS, Evaluator
 from jaxagent.rollout.budget import Budget
@@ -24,6 +31,14 @@ from jaxagent.rollout.trajectory import Trajectory
 from jaxagent.runs import config as sections
 from jaxagent.runs import layout
 from jaxagent.sharding import distributed
+
+_SEEDED = re.compile(r"^(?P<arm>.+)_s(?P<seed>\d+)$")
+
+
+def arm_and_seed(label: str) -> tuple[str, int]:
+  """("fixed_tight", 2) for "fixed_tight_s2"; (label, 0) for a label without the suffix."""
+  m = _SEEDED.match(label)
+  return (m["arm"], int(m["seed"])) if m else (label, 0)
 
 
 def latest_eval(workdir) -> tuple[dict, dict]:
@@ -55,6 +70,40 @@ def run_kind(label: str, base: str, train_budget: str) -> str:
   return Budget.parse(str(train_budget)).arm
 
 
+def group_runs(labels, base: str) -> tuple[list[str], dict[str, list[str]]]:
+  """(base labels by seed, {RL arm: labels by seed}) from run labels (see the module docstring).
+  Raises ValueError naming the fix when the base is missing or the arms' seeds differ."""
+  arms: dict[str, dict[int, str]] = {}
+  for lab in labels:
+    arm, seed = arm_and_seed(lab)
+    if seed in arms.setdefault(arm, {}):
+      raise ValueError(f"runs {arms[arm][seed]!r} and {lab!r} are both seed {seed} of arm {arm!r}; "
+                       "give each run its own label")
+    arms[arm][seed] = lab
+  if base not in arms:
+    raise ValueError(f"no run labelled {base!r} (or {base}_s0, ...) among {list(labels)}; label "
+                     f"the base run --run {base}=WORKDIR or pass --base=LABEL")
+  by_seed = arms.pop(base)
+  bases = [by_seed[k] for k in sorted(by_seed)]
+  if not arms:
+    raise ValueError("compare needs at least one RL run beside the base (--run label=workdir)")
+  seeds = {arm: sorted(d) for arm, d in arms.items()}
+  first = next(iter(seeds.values()))
+  if any(v != first for v in seeds.values()):
+    raise ValueError(f"every RL arm needs the same seeds (seed N of each arm is paired with seed "
+                     f"N of the others), got {seeds}; train the missing seeds or leave the extra "
+                     "runs out")
+  return bases, {arm: [d[k] for k in sorted(d)] for arm, d in arms.items()}
+
+
+def study_rules(config) -> evidence.Rules:
+  """The decision rules of config.study (margins) and config.eval (confidence)."""
+  st, e = sections.study_config(config), sections.eval_config(config)
+  return evidence.Rules(effect=st.margin_effect, non_inferiority=st.margin_non_inferiority,
+                        loglik_nats=st.margin_loglik_nats, confidence=e.confidence,
+                        min_seeds=st.min_seeds, min_tasks=st.min_tasks)
+
+
 def compare(runs: dict[str, str], out_dir, config, base: str = "base", *,
             programs=None) -> dict:
   """Side-by-side comparison of several runs' evaluations, with the claims of docs/STUDY.md decided.
@@ -62,25 +111,24 @@ def compare(runs: dict[str, str], out_dir, config, base: str = "base", *,
   Args:
     runs: label -> workdir, each evaluated before (`evaluate_checkpoint`); the newest evaluation
       of each is used, and its checkpoint's params are restored for the policy-level analyses.
+      Labels group into arms and seeds (`group_runs`).
     out_dir: where comparison.json, comparison.md and the plots go.
-    config: the config the runs share (model, environment, eval settings).
-    base: the label of the base policy's run.
+    config: the config the runs share (model, environment, eval settings, study margins).
+    base: the base arm's name (its runs: `base`, or `base_s0`, `base_s1`, ...).
     programs: compiled functions to reuse (`jaxagent.runs.programs.Programs` of this config's
       policy and environment, e.g. the study's); default new ones.
   Every run must have been evaluated on the same test tasks with the same eval mode, budgets and
-  n. Step quality and controlled recovery are recomputed for every policy on one common set of
-  states: oracle prefixes and the base run's own evaluation trajectories (prefixes and error
-  states); the cross log-likelihood matrix scores each run's stored trajectories under every run.
+  n, and with the budget as visible as its training's. Step quality and controlled recovery are
+  recomputed for every policy on one common set of states: oracle prefixes and the first base
+  run's evaluation trajectories (prefixes and error states); log-likelihoods score each run's
+  stored trajectories under the policies its claims compare it with.
   """
-  if base not in runs:
-    raise ValueError(f"no run labelled {base!r} among {list(runs)}; label the base run "
-                     f"--run {base}=WORKDIR or pass --base=LABEL")
-  if len(runs) < 2:
-    raise ValueError("compare needs at least two runs (--run label=workdir, twice or more)")
+  bases, arms = group_runs(list(runs), base)
   out = pathlib.Path(out_dir)
   e = sections.eval_config(config)
+  rules = study_rules(config)
   evals = {lab: latest_eval(w) for lab, w in runs.items()}
-  rep0, eps0 = evals[base]
+  rep0, eps0 = evals[bases[0]]
   for lab, (rep, eps) in evals.items():
     same = (rep["eval"]["mode"] == rep0["eval"]["mode"]
             and rep["eval"]["budgets"] == rep0["eval"]["budgets"]
@@ -88,8 +136,18 @@ def compare(runs: dict[str, str], out_dir, config, base: str = "base", *,
             and set(eps) >= {k for k in eps0 if k.startswith("task/")}
             and all(np.array_equal(eps[k], eps0[k]) for k in eps0 if k.startswith("task/")))
     if not same:
-      raise ValueError(f"run {lab!r} was evaluated on other tasks or settings than {base!r}; "
-                       "evaluate every run with the same config (data, env and eval sections)")
+      raise ValueError(f"run {lab!r} was evaluated on other tasks or settings than "
+                       f"{bases[0]!r}; evaluate every run with the same config (data, env and "
+                       "eval sections)")
+    trained = bool(rep["run"].get("train_budget_visible", False))
+    if lab not in bases and trained != bool(rep["eval"]["budget_visible"]):
+      raise ValueError(
+          f"run {lab!r} was trained with the budget {'visible' if trained else 'hidden'} but "
+          f"evaluated with it {'visible' if rep['eval']['budget_visible'] else 'hidden'}; "
+          "evaluate as it was trained: " + ("config.eval.mode=rerun with "
+                                            "config.eval.rerun_budget_visible=True" if trained
+                                            else "config.eval.mode=truncation, or rerun with "
+                                            "config.eval.rerun_budget_visible=False"))
   test_arrays = {k[len("task/"):]: v for k, v in eps0.items() if k.startswith("task/")}
   ev = Evaluator(config, test_arrays=test_arrays, programs=programs)
   mode, budgets = rep0["eval"]["mode"], rep0["eval"]["budgets"]
@@ -99,53 +157,74 @@ def compare(runs: dict[str, str], out_dir, config, base: str = "base", *,
                                       ev.abstract)
             for lab, (rep, _) in evals.items()}
   trajs = {lab: _traj_from(eps) for lab, (_, eps) in evals.items()}
-  kinds = {lab: run_kind(lab, base, rep["run"]["train_budget"]) for lab, (rep, _) in evals.items()}
-  rl = [lab for lab in runs if lab != base]
-  fixed = [lab for lab in rl if kinds[lab] == "fixed"]
-  mix = [lab for lab in rl if kinds[lab] == "mix"]
+  arm_kind = {arm: Budget.parse(str(evals[labs[0]][0]["run"]["train_budget"])).arm
+              for arm, labs in arms.items()}
+  arm_turns = {arm: Budget.parse(str(evals[labs[0]][0]["run"]["train_budget"])).max_turns
+               for arm, labs in arms.items()}
 
   key = jax.random.key(e.seed)
   _, k_oracle, k_act = jax.random.split(key, 3)
-  oracle_traj = ev.rollouts(params[base], k_oracle, t_top, budget_visible=vis,
+  oracle_traj = ev.rollouts(params[bases[0]], k_oracle, t_top, budget_visible=vis,
                             temperature=e.temperature, group_size=1, oracle=True)
-  analyses = ev.policy_analyses({base: params[base], **params}, oracle_traj, trajs[base],
-                                k_oracle, k_act, vis)
-  lik = ev.likelihoods(trajs, params)
-  per_traj = lik.pop("per_trajectory")
+  analyses = ev.policy_analyses(params, oracle_traj, trajs[bases[0]], k_oracle, k_act, vis)
 
-  # Claims.
-  nb, conf, seed = e.num_bootstrap, e.confidence, e.seed
+  # Log-likelihoods, each (trajectories, scoring policy) pair scored once, when first needed.
+  rows = {lab: ev.likelihood_rows(int(np.asarray(t.length).shape[0])) for lab, t in trajs.items()}
+  scored: dict = {}
+
+  def loglik(a: str, b: str) -> dict:
+    if (a, b) not in scored:
+      t, r = trajs[a], rows[a]
+      lp = likelihood.score_rows(ev.policy.config, params[b], np.asarray(t.tokens)[r],
+                                 np.asarray(t.length)[r], e.temperature, e.score_batch)
+      scored[(a, b)] = likelihood.agent_loglik(lp, np.asarray(t.loss_mask)[r])
+    return scored[(a, b)]
+
   t_values = list(range(1, t_top + 1)) if mode == "truncation" else list(budgets)
-  pass1 = {lab: pass_at_kt.per_task_pass1(mode, eps["success_turn_by_t"], t_values, t_top)
-           for lab, (_, eps) in evals.items()}
-  t_tight, t_gen = report.tight_generous(t_values, eps0["optimal_turns"])
-  w_tasks = report.resample_weights(ev.num_tasks, nb, np.random.default_rng(seed))
-  step_v = {lab: o["sampled"]["valid_call"] for lab, o in analyses.step_quality.items()}
-  rec_v = {lab: o["sampled"]["valid_call"] for lab, o in analyses.recovery.items()}
-  claims = {
-      1: report.finish_claim(1, report.claim_budget_gain(pass1, t_values, t_tight, t_gen, base,
-                                                         rl, w_tasks, conf)),
-      2: report.finish_claim(2, report.claim_recovery_vs_step(step_v, rec_v, base, fixed, nb,
-                                                              conf, seed),
-                             "" if fixed else "no fixed-T RL run"),
-      3: report.finish_claim(3, report.claim_budgetmix(pass1, t_values, t_tight, t_gen, step_v,
-                                                       base, mix, fixed, w_tasks, nb, conf, seed),
-                             "" if mix else "no BudgetMix run"),
-      4: report.finish_claim(4, report.claim_likelihood(per_traj, base, rl, nb, conf, seed)),
-      5: report.finish_claim(5, report.claim_recovery(rec_v, base, rl, nb, conf, seed)),
-  }
+  t_tight, t_gen = claims_lib.tight_generous(t_values, eps0["optimal_turns"])
+  data = claims_lib.StudyData(
+      arms=arms, bases=bases, kinds=arm_kind, turns=arm_turns, num_tasks=ev.num_tasks,
+      t_values=t_values, t_tight=t_tight, t_gen=t_gen,
+      pass1={lab: pass_at_kt.per_task_pass1(mode, eps["success_turn_by_t"], t_values, t_top)
+             for lab, (_, eps) in evals.items()},
+      step={lab: o["sampled"]["valid_call"] for lab, o in analyses.step_quality.items()},
+      step_task=analyses.refs.task, step_after_error=analyses.refs.prev_error_kind != 0,
+      rec={lab: o["sampled"]["valid_call"] for lab, o in analyses.recovery.items()},
+      rec_task=analyses.errs.task, rec_kind=analyses.errs.prev_error_kind,
+      loglik=loglik,
+      traj_task={lab: np.asarray(t.task_id)[rows[lab]] for lab, t in trajs.items()})
+  decided = claims_lib.decide_claims(data, rules, num_bootstrap=e.num_bootstrap, seed=e.seed)
+
+  # The likelihood matrix shown: the bases and seed 0 of every arm.
+  shown = bases + [labs[0] for labs in arms.values()]
+  lik = {"rows": shown, "cols": shown,
+         "sum": [[float(np.mean(loglik(a, b)["sum"])) for b in shown] for a in shown],
+         "mean": [[float(np.nanmean(loglik(a, b)["mean"])) if np.any(loglik(a, b)["count"] > 0)
+                   else None for b in shown] for a in shown],
+         "temperature": e.temperature,
+         "num_trajectories": {lab: int(len(rows[lab])) for lab in shown}}
+  labels = {lab: arm_and_seed(lab) for lab in runs}
   ks = [k for k in e.curve_ks if k <= rep0["eval"]["num_samples"]]
   comp = {
       "definitions": report.DEFINITIONS,
-      "runs": {lab: {"workdir": str(runs[lab]), "phase": rep["run"]["phase"],
+      "rules": {"summary": rules.describe(), "margins": dict(
+                    effect=rules.effect, non_inferiority=rules.non_inferiority,
+                    loglik_nats=rules.loglik_nats, confidence=rules.confidence,
+                    min_seeds=rules.min_seeds, min_tasks=rules.min_tasks),
+                "method": RULES_METHOD},
+      "runs": {lab: {"workdir": str(runs[lab]), "arm": labels[lab][0], "seed": labels[lab][1],
+                     "config_seed": rep["run"].get("seed"), "phase": rep["run"]["phase"],
                      "step": rep["run"]["step"], "train_budget": rep["run"]["train_budget"],
-                     "rl_steps": rep["run"]["rl_steps"], "kind": kinds[lab]}
+                     "rl_steps": rep["run"]["rl_steps"],
+                     "kind": "base" if lab in bases else arm_kind[labels[lab][0]]}
                for lab, (rep, _) in evals.items()},
-      "base": base,
+      "bases": bases,
+      "arms": arms,
+      "budgets": {"T_tight": report.describe_budget(t_tight), "T_gen": t_gen},
       "eval": {k: rep0["eval"][k] for k in ("mode", "budgets", "budget_visible", "num_samples",
                                             "num_tasks", "temperature")},
       "curve_ks": ks,
-      "claims": {str(k): v for k, v in claims.items()},
+      "claims": {str(k): v for k, v in decided.items()},
       "pass_at_kt": {lab: rep["pass_at_kt"] for lab, (rep, _) in evals.items()},
       "reference_states": analyses.report["reference_states"],
       "step_quality": {lab: analyses.report["step_quality"][lab] for lab in runs},
@@ -158,8 +237,9 @@ def compare(runs: dict[str, str], out_dir, config, base: str = "base", *,
     return comp
   out.mkdir(parents=True, exist_ok=True)
   files = ["comparison.json", "comparison.md"]
+  shown_grids = {lab: comp["pass_at_kt"][lab] for lab in shown}
   for k in sorted({ks[0], ks[-1]} if ks else set()):
-    files.append(pathlib.Path(plots.pass_curves_runs(comp["pass_at_kt"], k,
+    files.append(pathlib.Path(plots.pass_curves_runs(shown_grids, k,
                                                      out / f"pass_curves_k{k}.png")).name)
   for lab, g in comp["pass_at_kt"].items():
     files.append(pathlib.Path(plots.pass_heatmap(g, out / f"pass_heatmap_{lab}.png",
@@ -180,3 +260,12 @@ def compare(runs: dict[str, str], out_dir, config, base: str = "base", *,
   report.write_json(comp, out / "comparison.json")
   (out / "comparison.md").write_text(report.comparison_markdown(report.to_jsonable(comp)))
   return comp
+
+
+RULES_METHOD = (
+    "Units: training seeds (seed N of every arm paired) and test tasks; every interval resamples "
+    "seeds, then tasks (with all their episodes and states). A claim is a list of conditions "
+    "'X > c' with thresholds fixed in config.study. Held iff every condition is shown (one-sided "
+    "bootstrap p < alpha); not held iff one is refuted after Holm's correction over the claim's "
+    "conditions; else inconclusive. Too few seeds or tasks is always inconclusive, and a statistic "
+    "that does not vary across resamples neither shows nor refutes its condition.")

@@ -169,9 +169,9 @@ class Evaluator:
 
   # -- step quality and recovery ----------------------------------------------------------------
 
-  def _state_kw(self, rows_per_batch: int) -> dict:
-    return dict(max_states=self.e.max_reference_states, seed=self.e.seed,
-                row_batch=rows_per_batch)
+  def _state_kw(self, rows_per_batch: int, max_states: int | None = None) -> dict:
+    return dict(max_states=self.e.max_reference_states if max_states is None else max_states,
+                seed=self.e.seed, row_batch=rows_per_batch)
 
   def reference_states(self, oracle_traj, base_traj, budget_visible: bool):
     """(reference states: oracle + base prefixes, error states of base_traj)."""
@@ -182,7 +182,9 @@ class Evaluator:
                                       oracle_traj.acted, source="oracle", **kw),
         step_quality.reference_states(replay, self.row_tasks(base_traj), base_traj,
                                       base_traj.acted, source="base", **kw)])
-    errs = recovery.controlled_error_states(replay, self.row_tasks(base_traj), base_traj, **kw)
+    errs = recovery.controlled_error_states(
+        replay, self.row_tasks(base_traj), base_traj,
+        **self._state_kw(self.e.tasks_per_batch * self.e.num_samples, self.e.max_error_states))
     # One prefix width for both sets: one compiled next-action program.
     width = max(refs.prefix.shape[1], errs.prefix.shape[1])
     return step_quality.pad_prefix(refs, width), step_quality.pad_prefix(errs, width)
@@ -219,14 +221,23 @@ class Evaluator:
     """Step-quality rates overall, by source and by environment: the config's environment's
     reference states plus each extra environment's oracle states."""
     sources = [refs.source] + [r.source for _, r in extra_states]
+    # Extra environments' tasks are other tasks: offset so no two environments share an id.
+    tasks, offset = [refs.task], self.num_tasks
+    for es, r in extra_states:
+      tasks.append(r.task + offset)
+      offset += es.num_tasks
+    task = np.concatenate(tasks)
     names = [np.full((len(refs),), self.env.name)] + [np.full((len(r),), es.label)
                                                      for es, r in extra_states]
-    groups = {"source": np.concatenate(sources), "env": np.concatenate(names)}
+    after = [np.where(refs.prev_error_kind != 0, "after an error", "no error")] + [
+        np.where(r.prev_error_kind != 0, "after an error", "no error") for _, r in extra_states]
+    groups = {"source": np.concatenate(sources), "env": np.concatenate(names),
+              "state": np.concatenate(after)}
     out = {}
     for m, o in outcomes.items():
       valid = np.concatenate([o["valid_call"]] + [x[m]["valid_call"] for x in extra_outcomes])
       match = np.concatenate([o["oracle_match"]] + [x[m]["oracle_match"] for x in extra_outcomes])
-      out[m] = step_quality.quality_rates(valid, match, groups, **self._boot())
+      out[m] = step_quality.quality_rates(valid, match, task, groups, **self._boot())
     return out
 
   def _boot(self) -> dict:
@@ -234,7 +245,7 @@ class Evaluator:
 
   def recovery_rates(self, outcomes, errs) -> dict:
     return {m: recovery.recovery_rates(errs.prev_error_kind, o["valid_call"], o["oracle_match"],
-                                       **self._boot())
+                                       errs.task, **self._boot())
             for m, o in outcomes.items()}
 
   def on_policy(self, traj) -> dict:

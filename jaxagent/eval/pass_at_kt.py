@@ -51,7 +51,8 @@ def pass_at_kt(counts: np.ndarray, n: int, *, k_max: int | None = None, num_boot
                confidence: float = 0.95, seed: int = 0) -> dict:
   """The Pass@(K,T) grid with bootstrap intervals over tasks.
 
-  Returns a dict of arrays [K, T]: `mean`, `lo`, `hi` (the percentile interval), and `k`
+  Returns a dict of arrays [K, T]: `mean`, `lo`, `hi` (the percentile interval; not widened to
+  hold the mean, which a skewed bootstrap may leave outside), and `k`
   (1..k_max), `t` (1..T_max), `num_tasks`, `n`.
   """
   per_task = per_task_pass(counts, n, k_max)            # [tasks, K, T]
@@ -65,7 +66,7 @@ def pass_at_kt(counts: np.ndarray, n: int, *, k_max: int | None = None, num_boot
   boot = np.einsum("bn,nkt->bkt", weights / tasks, per_task)
   alpha = (1 - confidence) / 2
   lo, hi = np.quantile(boot, [alpha, 1 - alpha], axis=0)
-  return {"mean": mean, "lo": np.minimum(lo, mean), "hi": np.maximum(hi, mean),
+  return {"mean": mean, "lo": lo, "hi": hi,
           "k": np.arange(1, mean.shape[0] + 1), "t": np.arange(1, mean.shape[1] + 1),
           "num_tasks": tasks, "n": n}
 

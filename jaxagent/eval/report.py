@@ -1,18 +1,10 @@
-"""Evaluation reports: the definitions every report states, paired bootstrap helpers, the five
-claims of docs/STUDY.md decided by stated mechanical rules, and markdown rendering.
-
-Verdicts. Every claim is decided per RL run from a percentile bootstrap interval [lo, hi] of a
-difference D (confidence `confidence`): "held" when the interval lies above 0 as the rule says,
-"not held" when it lies on the wrong side of 0, otherwise "inconclusive" (the data cannot decide).
-Intervals are paired: the same resampled tasks (or states, or trajectories) for every policy, so
-a difference's interval reflects the paired design. A claim's overall verdict: "held" if it held
-for at least one run it applies to and failed for none, "not held" in the converse case, "mixed"
-if both occur, "inconclusive" if no run decided it. No rule refers to any published figure.
+"""Evaluation reports: the definitions every report states, JSON helpers and markdown rendering
+of one checkpoint's evaluation and of a comparison of runs (whose claims `jaxagent.eval.claims`
+decides by the rules of `jaxagent.eval.evidence`). No rule refers to any published figure.
 """
 
 from __future__ import annotations
 
-import functools
 import json
 import math
 from typing import Sequence
@@ -37,45 +29,14 @@ DEFINITIONS = {
                     "greedy and sampled: fraction valid and fraction equal to the oracle's action.",
     "likelihood": "For trajectories of policy A: sum and per-token mean of log-probabilities of the "
                   "agent's tokens only (loss_mask), under A and under B, averaged over trajectories.",
-    "intervals": "Percentile bootstrap over tasks (Pass), states (rates) or trajectories "
-                 "(likelihoods), paired across policies where they share the units.",
+    "intervals": "Percentile bootstrap that resamples the independent units: tasks (with all "
+                 "their episodes and states) for every rate and Pass@(K,T), and in a study's "
+                 "claims also the training seeds (seeds, then tasks); paired across policies "
+                 "that share the units. Intervals are not widened to hold the estimate.",
+    "error_classes": "Errors that need a different action: tool_failure, precondition_failed, "
+                     "wrong_answer. Format errors: parse_error, unknown_tool, bad_arguments (a "
+                     "valid re-emitted call fixes them: the skill of step validity).",
 }
-
-CLAIMS = {
-    1: "Trajectory-level RL gains depend on the interaction budget T: large when T is generous, "
-       "shrinking or vanishing when T is tight.",
-    2: "RL mostly improves error recovery rather than the quality of each single action "
-       "(per-step quality can even drop under standard multi-turn RL).",
-    3: "BudgetMix RL gives robust performance across budgets and keeps single-step quality.",
-    4: "RL-generated trajectories are far more likely under the RL policy than under the base "
-       "policy.",
-    5: "In error states, the RL policy corrects a failed tool call more often than the base policy.",
-}
-
-RULES = {
-    1: "Pass@(1,T). T_tight is per task: the smallest evaluated T >= that task's optimal number "
-       "of turns (no slack for a single wasted turn); T_gen = the largest evaluated T. "
-       "gain(T) = Pass_RL(1,T) - Pass_base(1,T), averaged over tasks; "
-       "D = gain(T_gen) - gain(T_tight). Per RL run: held iff lo(D) > 0 and lo(gain(T_gen)) > 0; "
-       "not held iff hi(D) < 0 or hi(gain(T_gen)) < 0; else inconclusive (also when "
-       "T_tight = T_gen for every task). Intervals: paired bootstrap over tasks.",
-    2: "Valid-call rates of sampled actions. d_step = step-quality rate RL - base on the common "
-       "reference states; d_rec = controlled recovery rate RL - base on the common error states; "
-       "D = d_rec - d_step. Per fixed-T RL run: held iff lo(D) > 0; not held iff hi(D) < 0; else "
-       "inconclusive. 'Step quality dropped' is reported iff hi(d_step) < 0.",
-    3: "Per BudgetMix run m, with Pass@(1,T) at T in {T_tight, T_gen} (claim 1) and the sampled "
-       "valid-call step-quality rate: held iff lo(Pass_m - Pass_base) > 0 at both T, no fixed-T run "
-       "f has lo(Pass_f - Pass_m) > 0 at either T, and hi(d_step_m) >= 0; not held iff "
-       "hi(Pass_m - Pass_base) < 0 at some T, or some fixed-T run has lo(Pass_f - Pass_m) > 0, or "
-       "hi(d_step_m) < 0; else inconclusive.",
-    4: "Per RL run r, over r's own evaluation trajectories: x = sum_ll(tau; r) - sum_ll(tau; base) "
-       "(the log-likelihood ratio, agent tokens only). held iff lo(mean x) > 0; not held iff "
-       "hi(mean x) < 0; else inconclusive. Bootstrap over trajectories.",
-    5: "Controlled recovery, valid-call rate of sampled actions on the common error states: "
-       "D = rate_RL - rate_base. Per RL run: held iff lo(D) > 0; not held iff hi(D) < 0; else "
-       "inconclusive. Each policy's rates (controlled and on-policy) are listed.",
-}
-
 
 # ---- JSON ---------------------------------------------------------------------------------------
 
@@ -113,74 +74,7 @@ def grid_json(grid: dict, t_values: Sequence[int] | None = None) -> dict:
           "n": int(grid["n"])}
 
 
-# ---- bootstrap ----------------------------------------------------------------------------------
-
-
-def interval(samples: np.ndarray, confidence: float, estimate: float | None = None) -> dict:
-  """{"est", "lo", "hi"} from bootstrap samples (percentile interval, widened to hold est)."""
-  s = np.asarray(samples, np.float64)
-  est = float(np.mean(s)) if estimate is None else float(estimate)
-  alpha = (1 - confidence) / 2
-  lo, hi = np.quantile(s, [alpha, 1 - alpha])
-  return {"est": est, "lo": float(min(lo, est)), "hi": float(max(hi, est))}
-
-
-def resample_weights(n: int, num_bootstrap: int, rng: np.random.Generator) -> np.ndarray:
-  """[num_bootstrap, n] multiplicities / n of n units resampled with replacement, so
-  `w @ x` is the bootstrap means of per-unit values x [n] (same resamples for every x)."""
-  w = np.zeros((num_bootstrap, n))
-  if n:
-    idx = rng.integers(0, n, size=(num_bootstrap, n))
-    np.add.at(w, (np.arange(num_bootstrap)[:, None], idx), 1.0)
-  return w / max(n, 1)
-
-
-def paired_diff(x: np.ndarray, y: np.ndarray, w: np.ndarray, confidence: float) -> dict:
-  """Interval of mean(x - y) over shared units (x, y [n]) with resample weights w [B, n]."""
-  d = np.asarray(x, np.float64) - np.asarray(y, np.float64)
-  return interval(w @ d, confidence, float(d.mean()) if d.size else float("nan"))
-
-
-def _lo(i: dict) -> float:
-  return i["lo"]
-
-
-def _hi(i: dict) -> float:
-  return i["hi"]
-
-
-def combine(verdicts: Sequence[str]) -> str:
-  """Overall verdict of a claim from its per-run verdicts (see the module docstring)."""
-  held, failed = HELD in verdicts, NOT_HELD in verdicts
-  if held and failed:
-    return MIXED
-  if held:
-    return HELD
-  if failed:
-    return NOT_HELD
-  return INCONCLUSIVE
-
-
 # ---- claims -------------------------------------------------------------------------------------
-
-
-def tight_generous(t_values: Sequence[int], optimal_turns: np.ndarray) -> tuple[np.ndarray, int]:
-  """(T_tight [tasks], T_gen) of claim 1's rule: per task the smallest evaluated T >= its optimal
-  turns (T_gen where none is), and the largest evaluated T."""
-  t_values = np.asarray(sorted(int(t) for t in t_values))
-  opt = np.asarray(optimal_turns, np.int64).reshape(-1)
-  idx = np.minimum(np.searchsorted(t_values, opt, side="left"), len(t_values) - 1)
-  return t_values[idx], int(t_values[-1])
-
-
-def at_budget(p: np.ndarray, t_values, t) -> np.ndarray:
-  """Per-task values of p [tasks, len(t_values)] at budget t: one T for all tasks, or [tasks]."""
-  t_values = [int(v) for v in t_values]
-  t = np.asarray(t)
-  if t.ndim == 0:
-    return p[:, t_values.index(int(t))]
-  cols = np.asarray([t_values.index(int(x)) for x in t], np.int64)
-  return p[np.arange(p.shape[0]), cols]
 
 
 def describe_budget(t) -> int | dict:
@@ -197,139 +91,6 @@ def fmt_budget(t) -> str:
     at = ", ".join(f"T={v}: {c}" for v, c in t["tasks_at"].items())
     return f"per task (mean {t['mean']:.2f}; tasks at {at})"
   return str(t)
-
-
-def claim_budget_gain(pass1: dict[str, np.ndarray], t_values, t_tight: int, t_gen: int, base: str,
-                      rl: Sequence[str], w: np.ndarray, confidence: float) -> dict:
-  """Claim 1. pass1[label] = per-task Pass@(1,T) [tasks, len(t_values)]; w: task resampling."""
-  at = functools.partial(at_budget, t_values=t_values)
-  same = bool(np.all(np.asarray(t_tight) == t_gen))
-  per = {}
-  for r in rl:
-    g = pass1[r] - pass1[base]
-    gain_t = paired_diff(at(pass1[r], t=t_tight), at(pass1[base], t=t_tight), w, confidence)
-    gain_g = paired_diff(at(pass1[r], t=t_gen), at(pass1[base], t=t_gen), w, confidence)
-    d = paired_diff(at(g, t=t_gen), at(g, t=t_tight), w, confidence)
-    if same:
-      v = INCONCLUSIVE
-    elif _lo(d) > 0 and _lo(gain_g) > 0:
-      v = HELD
-    elif _hi(d) < 0 or _hi(gain_g) < 0:
-      v = NOT_HELD
-    else:
-      v = INCONCLUSIVE
-    per[r] = {"verdict": v, "gain_tight": gain_t, "gain_generous": gain_g, "D": d,
-              "pass_rl_tight": float(at(pass1[r], t=t_tight).mean()),
-              "pass_rl_generous": float(at(pass1[r], t=t_gen).mean()),
-              "pass_base_tight": float(at(pass1[base], t=t_tight).mean()),
-              "pass_base_generous": float(at(pass1[base], t=t_gen).mean())}
-  return {"T_tight": describe_budget(t_tight), "T_gen": t_gen, "per_run": per}
-
-
-def claim_recovery_vs_step(step: dict[str, np.ndarray], rec: dict[str, np.ndarray], base: str,
-                           fixed: Sequence[str], num_bootstrap: int, confidence: float,
-                           seed: int) -> dict:
-  """Claim 2. step[label] [N] and rec[label] [M]: 0/1 outcomes on the common states."""
-  rng = np.random.default_rng(seed)
-  ws = resample_weights(len(step[base]), num_bootstrap, rng)
-  wr = resample_weights(len(rec[base]), num_bootstrap, rng)
-  per = {}
-  for r in fixed:
-    ds = np.asarray(step[r], float) - np.asarray(step[base], float)
-    dr = np.asarray(rec[r], float) - np.asarray(rec[base], float)
-    if len(ds) == 0 or len(dr) == 0:
-      per[r] = {"verdict": INCONCLUSIVE, "note": "no reference or error states"}
-      continue
-    d_step = interval(ws @ ds, confidence, ds.mean())
-    d_rec = interval(wr @ dr, confidence, dr.mean())
-    d = interval(wr @ dr - ws @ ds, confidence, dr.mean() - ds.mean())
-    v = HELD if _lo(d) > 0 else NOT_HELD if _hi(d) < 0 else INCONCLUSIVE
-    per[r] = {"verdict": v, "d_step": d_step, "d_rec": d_rec, "D": d,
-              "step_quality_dropped": bool(_hi(d_step) < 0)}
-  return {"per_run": per}
-
-
-def claim_budgetmix(pass1: dict[str, np.ndarray], t_values, t_tight: int, t_gen: int,
-                    step: dict[str, np.ndarray], base: str, mix: Sequence[str],
-                    fixed: Sequence[str], w: np.ndarray, num_bootstrap: int, confidence: float,
-                    seed: int) -> dict:
-  """Claim 3 (see RULES[3])."""
-  at = functools.partial(at_budget, t_values=t_values)
-  ts = {"tight": t_tight, "generous": t_gen}
-  ws = resample_weights(len(step[base]), num_bootstrap, np.random.default_rng(seed))
-  per = {}
-  for m in mix:
-    vs_base = {n: paired_diff(at(pass1[m], t=t), at(pass1[base], t=t), w, confidence)
-               for n, t in ts.items()}
-    fixed_better = {f: {n: paired_diff(at(pass1[f], t=t), at(pass1[m], t=t), w, confidence)
-                        for n, t in ts.items()}
-                    for f in fixed}
-    ds = np.asarray(step[m], float) - np.asarray(step[base], float)
-    d_step = interval(ws @ ds, confidence, ds.mean()) if len(ds) else None
-    any_fixed_better = any(_lo(i) > 0 for f in fixed_better.values() for i in f.values())
-    if d_step is None:
-      v = INCONCLUSIVE
-    elif (all(_lo(i) > 0 for i in vs_base.values()) and not any_fixed_better
-          and _hi(d_step) >= 0):
-      v = HELD
-    elif any(_hi(i) < 0 for i in vs_base.values()) or any_fixed_better or _hi(d_step) < 0:
-      v = NOT_HELD
-    else:
-      v = INCONCLUSIVE
-    per[m] = {"verdict": v, "gain_vs_base": {str(t): i for t, i in vs_base.items()},
-              "fixed_minus_mix": {f: {str(t): i for t, i in d.items()}
-                                  for f, d in fixed_better.items()},
-              "d_step": d_step}
-  return {"T_tight": describe_budget(t_tight), "T_gen": t_gen, "per_run": per}
-
-
-def claim_likelihood(per_traj: dict, base: str, rl: Sequence[str], num_bootstrap: int,
-                     confidence: float, seed: int) -> dict:
-  """Claim 4. per_traj[A][B] = `likelihood.agent_loglik` of A's trajectories under B."""
-  rng = np.random.default_rng(seed)
-  per = {}
-  for r in rl:
-    x = per_traj[r][r]["sum"] - per_traj[r][base]["sum"]
-    keep = per_traj[r][r]["count"] > 0
-    x = x[keep]
-    if x.size == 0:
-      per[r] = {"verdict": INCONCLUSIVE, "note": "no agent tokens"}
-      continue
-    i = interval(resample_weights(x.size, num_bootstrap, rng) @ x, confidence, x.mean())
-    tok = (per_traj[r][r]["mean"] - per_traj[r][base]["mean"])[keep]
-    v = HELD if _lo(i) > 0 else NOT_HELD if _hi(i) < 0 else INCONCLUSIVE
-    per[r] = {"verdict": v, "log_ratio": i, "per_token_diff": float(np.mean(tok)),
-              "num_trajectories": int(x.size)}
-  return {"per_run": per}
-
-
-def claim_recovery(rec: dict[str, np.ndarray], base: str, rl: Sequence[str], num_bootstrap: int,
-                   confidence: float, seed: int) -> dict:
-  """Claim 5. rec[label] [M]: 0/1 valid next call on the common error states (controlled)."""
-  w = resample_weights(len(rec[base]), num_bootstrap, np.random.default_rng(seed))
-  per = {}
-  for r in rl:
-    if len(rec[base]) == 0:
-      per[r] = {"verdict": INCONCLUSIVE, "note": "no error states"}
-      continue
-    d = paired_diff(rec[r], rec[base], w, confidence)
-    v = HELD if _lo(d) > 0 else NOT_HELD if _hi(d) < 0 else INCONCLUSIVE
-    per[r] = {"verdict": v, "D": d, "rate_rl": float(np.mean(rec[r])),
-              "rate_base": float(np.mean(rec[base]))}
-  return {"per_run": per}
-
-
-def finish_claim(num: int, result: dict, note: str = "") -> dict:
-  verdicts = [p["verdict"] for p in result["per_run"].values()]
-  out = {"claim": CLAIMS[num], "rule": RULES[num], **result, "verdict": combine(verdicts)}
-  if not verdicts:
-    out["note"] = note or "no run this claim applies to"
-  elif note:
-    out["note"] = note
-  return out
-
-
-# ---- markdown -----------------------------------------------------------------------------------
 
 
 def fmt(x, digits: int = 3) -> str:
@@ -349,8 +110,10 @@ def fmt_rate(r: dict | None) -> str:
 
 
 def fmt_interval(i: dict | None) -> str:
-  if not i:
+  if not i or i.get("est") is None:
     return "-"
+  if i.get("lo") is None:
+    return f"{i['est']:+.3f} [no resample holds data]"
   return f"{i['est']:+.3f} [{i['lo']:+.3f}, {i['hi']:+.3f}]"
 
 
@@ -426,57 +189,87 @@ def run_markdown(rep: dict) -> str:
   out += ["## Episode statistics (T_max rollouts)", ""]
   keys = list(next(iter(rep["stats"].values())))
   out += table(["policy", *keys], [[p, *[fmt(s[k]) for k in keys]] for p, s in rep["stats"].items()])
-  out += ["## Step-level action quality", "",
-          f"Reference states: {rep['reference_states']}.", ""] + quality_md(rep["step_quality"])
-  out += ["## Error recovery", "", "On-policy (each policy's own rollouts):", ""]
-  out += recovery_md(rep["recovery"]["on_policy"])
-  out += ["Controlled (the base policy's error prefixes, every policy acting once):", ""]
-  out += recovery_md(rep["recovery"]["controlled"])
-  out += ["## Log-likelihoods", "", f"Scoring temperature {rep['likelihood']['temperature']}.", ""]
-  out += likelihood_md(rep["likelihood"])
+  if "step_quality" not in rep:
+    out += ["Rollouts only (a study's evaluation: step quality, recovery and likelihoods are in "
+            "its comparison, on states common to every run).", ""]
+  else:
+    out += ["## Step-level action quality", "",
+            f"Reference states: {rep['reference_states']}.", ""] + quality_md(rep["step_quality"])
+    out += ["## Error recovery", "", "On-policy (each policy's own rollouts):", ""]
+    out += recovery_md(rep["recovery"]["on_policy"])
+    out += ["Controlled (the base policy's error prefixes, every policy acting once):", ""]
+    out += recovery_md(rep["recovery"]["controlled"])
+    out += ["## Log-likelihoods", "", f"Scoring temperature {rep['likelihood']['temperature']}.",
+            ""]
+    out += likelihood_md(rep["likelihood"])
   out += ["## Files", ""] + [f"- `{f}`" for f in rep["files"]] + [""]
   return "\n".join(out)
 
 
-def _claim_numbers(num: int, per: dict) -> str:
-  if "note" in per:
-    return per["note"]
-  if num == 1:
-    return (f"gain(T_tight) {fmt_interval(per['gain_tight'])}, gain(T_gen) "
-            f"{fmt_interval(per['gain_generous'])}, D {fmt_interval(per['D'])}; Pass@1 RL "
-            f"{per['pass_rl_tight']:.3f} -> {per['pass_rl_generous']:.3f}, base "
-            f"{per['pass_base_tight']:.3f} -> {per['pass_base_generous']:.3f}")
-  if num == 2:
-    return (f"d_rec {fmt_interval(per['d_rec'])}, d_step {fmt_interval(per['d_step'])}, D "
-            f"{fmt_interval(per['D'])}; step quality dropped: {per['step_quality_dropped']}")
-  if num == 3:
-    g = ", ".join(f"T_{t}: {fmt_interval(i)}" for t, i in per["gain_vs_base"].items())
-    f = "; ".join(f"{lab} - mix " + ", ".join(f"T_{t}: {fmt_interval(i)}" for t, i in d.items())
-                  for lab, d in per["fixed_minus_mix"].items())
-    return f"vs base {g}; {f or 'no fixed-T run'}; d_step {fmt_interval(per['d_step'])}"
-  if num == 4:
-    return (f"mean log p_RL(tau) - log p_base(tau) {fmt_interval(per['log_ratio'])} nats over "
-            f"{per['num_trajectories']} trajectories; per token {per['per_token_diff']:+.4f}")
-  return (f"rate RL {per['rate_rl']:.3f}, base {per['rate_base']:.3f}, D {fmt_interval(per['D'])}")
+def conditions_md(conds: list[dict]) -> list[str]:
+  rows = [[c["condition"], fmt_interval(c), fmt(c["threshold"]), c["tasks"], fmt(c["p_show"]),
+           fmt(c["p_refute"]), "shown" if c["shown"] else "refuted" if c["refuted"] else "-"]
+          for c in conds]
+  return table(["condition", "estimate [interval]", "threshold", "tasks", "p(not shown)",
+                "p(not refuted)", "outcome"], rows)
+
+
+def _details_md(num: int, det: dict) -> list[str]:
+  out = []
+  if num == 1 and "per_budget" in det:
+    out += table(["T", "Pass base", "Pass RL", "gain [interval]", "share of headroom"],
+                 [[t, fmt(b["pass_base"]), fmt(b["pass_rl"]), fmt_interval(b["gain"]),
+                   fmt_interval(b["share_of_headroom"])] for t, b in det["per_budget"].items()])
+  if num == 5 and "by_error_kind" in det:
+    out += table(["previous error", "class", "states", "RL", "base", "RL - base"],
+                 [[k, v["class"], v["states"], fmt_interval(v["rate_rl"]),
+                   fmt_interval(v["rate_base"]), fmt_interval(v["difference"])]
+                  for k, v in det["by_error_kind"].items()])
+  plain = {k: v for k, v in det.items() if k not in ("per_budget", "by_error_kind")}
+  out += [f"- {k}: " + (fmt_interval(v) if isinstance(v, dict) else fmt(v, 4))
+          for k, v in plain.items()]
+  return out + [""] if plain else out
+
+
+def verdicts_md(claims: dict) -> list[str]:
+  """One row per claim: verdict, deciding arm, and its first condition's estimate."""
+  rows = []
+  for num, c in claims.items():
+    arm = c.get("decided_on")
+    first = (c["per_arm"][arm]["conditions"] or [None])[0] if arm else None
+    rows.append([num, f"**{c['verdict']}**", arm or "-",
+                 f"{first['condition']}: {fmt_interval(first)}" if first else c.get("note", "-"),
+                 "; ".join(f"{a}: {d['verdict']}" for a, d in c["per_arm"].items() if a != arm)
+                 or "-"])
+  return table(["claim", "verdict", "decided on", "first condition", "other arms"], rows)
 
 
 def comparison_markdown(comp: dict) -> str:
-  """The multi-run comparison (`job.compare`'s comparison.json) as markdown."""
+  """The multi-run comparison (`compare.compare`'s comparison.json) as markdown: the rules first
+  (fixed before the numbers), then the verdicts and the evidence behind each."""
   out = ["# Comparison of runs", ""]
-  out += table(["label", "kind", "workdir", "checkpoint", "train budget", "RL steps"],
-               [[lab, r["kind"], r["workdir"], f"{r['phase']} {r['step']}", r["train_budget"],
-                 r["rl_steps"]] for lab, r in comp["runs"].items()])
-  out += [f"Base: `{comp['base']}`. Evaluation: {comp['eval']}.", ""]
+  out += table(["label", "arm", "seed", "kind", "workdir", "checkpoint", "train budget",
+                "RL steps"],
+               [[lab, r["arm"], r["seed"], r["kind"], r["workdir"], f"{r['phase']} {r['step']}",
+                 r["train_budget"], r["rl_steps"]] for lab, r in comp["runs"].items()])
+  out += [f"Base: {', '.join(f'`{b}`' for b in comp['bases'])}. Evaluation: {comp['eval']}.", ""]
+  out += ["## Rules (fixed before the numbers)", "", comp["rules"]["summary"] + ".", "",
+          comp["rules"]["method"], ""]
+  out += [f"{num}. {c['rule']}" for num, c in comp["claims"].items()] + [""]
+  out += [f"Claim 1's budgets: T_tight = {fmt_budget(comp['budgets']['T_tight'])}, T_gen = "
+          f"{comp['budgets']['T_gen']}.", ""]
+  out += ["## Verdicts", ""] + verdicts_md(comp["claims"])
   out += ["## Claims", ""]
   for num, c in comp["claims"].items():
-    out += [f"### Claim {num}: **{c['verdict']}**", "", c["claim"], "", f"Rule: {c['rule']}", ""]
-    if "T_tight" in c:
-      out += [f"T_tight = {fmt_budget(c['T_tight'])}, T_gen = {c['T_gen']}.", ""]
-    out += [f"- `{lab}`: **{p['verdict']}** - {_claim_numbers(int(num), p)}"
-            for lab, p in c["per_run"].items()]
+    out += [f"### Claim {num}: **{c['verdict']}** (decided on `{c.get('decided_on')}`)", "",
+            c["claim"], ""]
     if c.get("note"):
-      out += [f"- note: {c['note']}"]
-    out += [""]
+      out += [f"Note: {c['note']}", ""]
+    for arm, d in c["per_arm"].items():
+      out += [f"#### `{arm}`: {d['verdict']}" + (f" ({d['note']})" if d.get("note") else ""), ""]
+      if d["conditions"]:
+        out += conditions_md(d["conditions"])
+      out += _details_md(int(num), d["details"])
   out += definitions_md()
   out += ["## Pass@(K,T) per run", ""]
   for lab, g in comp["pass_at_kt"].items():

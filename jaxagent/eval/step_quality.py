@@ -26,7 +26,7 @@ Quality over a set S of states (per policy, per decoding mode):
     oracle_rate = |{s in S : oracle_match(s)}| / |S|
 
 reported overall, by source of the prefixes (oracle / base) and by environment, each with a
-percentile bootstrap interval over states.
+percentile bootstrap interval that resamples tasks (`jaxagent.eval.evidence`).
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxagent.envs.base import ErrorKind
+from jaxagent.eval import evidence
 from jaxagent.models import sampler
 from jaxagent.rollout.replay import NextAction
 
@@ -58,6 +59,8 @@ class ReferenceStates:
   turn: np.ndarray             # [N] int32 turn t (0-based) whose action the state precedes
   prev_error_kind: np.ndarray  # [N] int32 ErrorKind of turn t-1's action (NONE at t = 0)
   source: np.ndarray           # [N] str where the prefixes come from ("oracle", "base", ...)
+  task: np.ndarray             # [N] int32 task of the source row (traj.task_id): the unit
+                               # every interval resamples
 
   def __len__(self) -> int:
     return int(self.prefix_len.shape[0])
@@ -131,7 +134,8 @@ def reference_states(replay_fn, tasks, traj, mask, *, source: str, max_states: i
   prev = np.where(turns > 0, kind[rows, np.maximum(turns - 1, 0)], ErrorKind.NONE).astype(np.int32)
   return ReferenceStates(prefix=prefix, prefix_len=prefix_len, env_state=env_state,
                          row=rows.astype(np.int32), turn=turns.astype(np.int32),
-                         prev_error_kind=prev, source=np.full((len(rows),), source))
+                         prev_error_kind=prev, source=np.full((len(rows),), source),
+                         task=np.asarray(traj.task_id, np.int32)[rows])
 
 
 def pad_prefix(refs: ReferenceStates, width: int) -> ReferenceStates:
@@ -151,7 +155,8 @@ def concat_states(parts: Sequence[ReferenceStates]) -> ReferenceStates:
       env_state=jax.tree.map(lambda *xs: jnp.concatenate(xs), *[r.env_state for r in parts]),
       row=np.concatenate([r.row for r in parts]), turn=np.concatenate([r.turn for r in parts]),
       prev_error_kind=np.concatenate([r.prev_error_kind for r in parts]),
-      source=np.concatenate([r.source for r in parts]))
+      source=np.concatenate([r.source for r in parts]),
+      task=np.concatenate([r.task for r in parts]))
 
 
 # ---- next action --------------------------------------------------------------------------------
@@ -191,30 +196,34 @@ def next_actions(fn: Callable[..., NextAction], params, refs: ReferenceStates, k
 # ---- rates --------------------------------------------------------------------------------------
 
 
-def bootstrap_rate(x: np.ndarray, num_bootstrap: int, confidence: float,
+def bootstrap_rate(x: np.ndarray, task: np.ndarray, num_bootstrap: int, confidence: float,
                    rng: np.random.Generator) -> dict:
-  """Mean of the 0/1 outcomes x [N] with a percentile bootstrap interval over the N states.
+  """Mean of the 0/1 outcomes x [N] of N states with a percentile bootstrap interval that
+  resamples the states' tasks `task` [N] (all states of a drawn task come with it: states of one
+  episode or task are not independent), the pooled rate of each resample.
 
-  Returns {"rate", "lo", "hi", "n"}; rate/lo/hi are None when N == 0 ("no such states").
+  Returns {"rate", "lo", "hi", "n", "tasks"}; rate/lo/hi are None when N == 0 ("no such states").
+  The interval is not widened to hold the rate (a skewed bootstrap may leave it outside).
   """
   x = np.asarray(x, np.float64)
   n = int(x.shape[0])
   if n == 0:
-    return {"rate": None, "lo": None, "hi": None, "n": 0}
-  rate = float(x.mean())
-  idx = rng.integers(0, n, size=(num_bootstrap, n))
-  boot = x[idx].mean(axis=1)
-  alpha = (1 - confidence) / 2
-  lo, hi = np.quantile(boot, [alpha, 1 - alpha])
-  return {"rate": rate, "lo": float(min(lo, rate)), "hi": float(max(hi, rate)), "n": n}
+    return {"rate": None, "lo": None, "hi": None, "n": 0, "tasks": 0}
+  ids, t = np.unique(np.asarray(task), return_inverse=True)
+  num, den = evidence.per_task(x, t, len(ids))
+  r = evidence.Resampler(1, len(ids), num_bootstrap, int(rng.integers(2**31)))
+  i = r.ratio(num, den).interval(confidence)
+  return {"rate": i["est"], "lo": i["lo"], "hi": i["hi"], "n": n, "tasks": int(len(ids))}
 
 
-def quality_rates(valid: np.ndarray, match: np.ndarray, groups: dict[str, np.ndarray], *,
-                  num_bootstrap: int, confidence: float, seed: int) -> dict:
+def quality_rates(valid: np.ndarray, match: np.ndarray, task: np.ndarray,
+                  groups: dict[str, np.ndarray], *, num_bootstrap: int, confidence: float,
+                  seed: int) -> dict:
   """valid_rate and oracle_rate of N states, overall and per label of each grouping.
 
   Args:
     valid, match: [N] bool outcomes.
+    task: [N] the task of each state (the unit intervals resample).
     groups: grouping name -> labels [N] (e.g. {"source": ..., "env": ...}).
   Returns:
     {"overall": {"valid": r, "oracle": r}, "<grouping>": {label: {"valid": r, "oracle": r}}}
@@ -222,10 +231,11 @@ def quality_rates(valid: np.ndarray, match: np.ndarray, groups: dict[str, np.nda
   """
   rng = np.random.default_rng(seed)
   valid, match = np.asarray(valid, bool), np.asarray(match, bool)
+  task = np.asarray(task)
 
   def rates(sel):
-    return {"valid": bootstrap_rate(valid[sel], num_bootstrap, confidence, rng),
-            "oracle": bootstrap_rate(match[sel], num_bootstrap, confidence, rng)}
+    return {"valid": bootstrap_rate(valid[sel], task[sel], num_bootstrap, confidence, rng),
+            "oracle": bootstrap_rate(match[sel], task[sel], num_bootstrap, confidence, rng)}
 
   out = {"overall": rates(np.ones_like(valid))}
   for name, labels in groups.items():

@@ -113,7 +113,8 @@ class RLConfig:
 class EvalConfig:
   """config.eval: evaluation of checkpoints (see the comments of configs/default.py's `c.eval`).
 
-  Parsed fields: rerun_budgets and curve_ks from "2,4,6,8"; extra_envs from
+  Parsed fields: rerun_budgets (sorted, without repeats: every consumer may take the last as
+  T_max) and curve_ks from "2,4,6,8"; extra_envs from
   "name:knob=value,...;name2:..." as ((name, ((knob, value), ...)), ...) with sorted knobs
   (hashable; `knobs(i)` and `env_specs()` give them as dicts).
   """
@@ -127,6 +128,7 @@ class EvalConfig:
   num_tasks: int
   tasks_per_batch: int
   max_reference_states: int
+  max_error_states: int
   state_batch: int
   score_batch: int
   likelihood_trajectories: int
@@ -151,7 +153,7 @@ class EvalConfig:
                 "num_bootstrap"):
       value = getattr(self, key)
       _require(value >= 1, f"config.eval.{key} must be >= 1, got {value}")
-    for key in ("num_tasks", "max_reference_states", "likelihood_trajectories",
+    for key in ("num_tasks", "max_reference_states", "max_error_states", "likelihood_trajectories",
                 "max_action_tokens", "temperature"):
       value = getattr(self, key)
       _require(value >= 0, f"config.eval.{key} must be >= 0 (0 = all / default), got {value}")
@@ -402,8 +404,8 @@ def rl_config(config) -> RLConfig:
 def eval_config(config) -> EvalConfig:
   """config.eval (of the whole run config) as an EvalConfig."""
   return _read(EvalConfig, _section(config, "eval"), "eval",
-               convert={"rerun_budgets": _Convert(str, lambda s, _: _ints("eval.rerun_budgets",
-                                                                          s)),
+               convert={"rerun_budgets": _Convert(str, lambda s, _: tuple(sorted(set(
+                   _ints("eval.rerun_budgets", s))))),
                         "curve_ks": _Convert(str, lambda s, _: _ints("eval.curve_ks", s)),
                         "extra_envs": _Convert(str, _extra_envs)})
 
@@ -450,6 +452,35 @@ class DataConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class StudyConfig:
+  """config.study: the arms of the study, their seeds, and the margins its claims are decided
+  with (fixed before the numbers; `jaxagent.eval.claims`)."""
+  tight_budget: str
+  generous_budget: str
+  mix_budget: str
+  seeds: int                     # RL seeds per arm (paired across arms)
+  base_seeds: int                # SFT bases; RL seed u starts from base u mod base_seeds
+  margin_effect: float           # smallest effect of interest (rates, Pass@1)
+  margin_non_inferiority: float  # "not worse than" margin (claim 3)
+  margin_loglik_nats: float      # claim 4's margin over the seed-to-seed null
+  min_seeds: int                 # fewer seeds per arm: every claim inconclusive
+  min_tasks: int                 # a statistic resting on fewer tasks: inconclusive
+
+  def __post_init__(self):
+    for key in ("tight_budget", "generous_budget", "mix_budget"):
+      try:
+        Budget.parse(getattr(self, key))
+      except ValueError as e:
+        raise ConfigError(f"config.study.{key}: {e}") from e
+    for key in ("seeds", "base_seeds", "min_seeds", "min_tasks"):
+      _require(getattr(self, key) >= 1, f"config.study.{key} must be >= 1, got "
+               f"{getattr(self, key)}")
+    for key in ("margin_effect", "margin_non_inferiority", "margin_loglik_nats"):
+      _require(getattr(self, key) >= 0, f"config.study.{key} must be >= 0, got "
+               f"{getattr(self, key)}")
+
+
+@dataclasses.dataclass(frozen=True)
 class GuardConfig:
   """config.guard: when a run that cannot be learning stops (beside the NaN guard)."""
   stall_steps: int            # consecutive steps of the conditions below that stop the run
@@ -491,6 +522,10 @@ def model_config(config) -> ModelSection:
 
 def data_config(config) -> DataConfig:
   return _read(DataConfig, _section(config, "data"), "data")
+
+
+def study_config(config) -> StudyConfig:
+  return _read(StudyConfig, _section(config, "study"), "study")
 
 
 def guard_config(config) -> GuardConfig:

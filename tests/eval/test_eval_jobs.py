@@ -26,6 +26,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 EVAL_FILES = ["report.json", "report.md", "episodes.npz", "pass_heatmap.png", "pass_curves.png",
               "step_quality.png", "recovery.png", "recovery_on_policy.png", "likelihood.png"]
 OVERRIDES = dict(num_tasks=4, num_samples=2, tasks_per_batch=4, max_reference_states=8,
+                 max_error_states=8,
                  state_batch=8, score_batch=8, num_bootstrap=100)
 
 
@@ -78,26 +79,27 @@ def test_evaluate_latest_writes_every_file_with_sane_values(run_dir, latest):
   assert rep["run"]["phase"] == "rl" and rep["run"]["step"] == 2
   assert rep["run"]["base"] == "this run's sft step 4"
   assert rep["run"]["train_budget"] == "mix:1,2"
-  # Pass grid: K = 1..n, T = 1..T_max; in [0, 1], intervals hold the estimate, monotone in K, T.
+  # Pass grid: K = 1..n, T = 1..T_max, monotone in K and T.
   g = rep["pass_at_kt"]
   mean, lo, hi = (np.array(g[k]) for k in ("mean", "lo", "hi"))
   assert g["k"] == [1, 2] and g["t"] == [1, 2, 3, 4] and mean.shape == (2, 4)
-  assert np.all((0 <= lo) & (lo <= mean) & (mean <= hi) & (hi <= 1))
   assert np.all(np.diff(mean, axis=0) >= -1e-12) and np.all(np.diff(mean, axis=1) >= -1e-12)
-  # The grid is recomputable from episodes.npz.
+  # The grid and its intervals are recomputable from episodes.npz (the task bootstrap, seeded).
   eps = np.load(out / "episodes.npz")
   assert eps["success_turn"].shape == (4, 2)
   np.testing.assert_array_equal(eps["task_id"], np.arange(4))
-  again = pass_at_kt.pass_grid_truncation(eps["success_turn"], 4, num_bootstrap=10)
+  again = pass_at_kt.pass_grid_truncation(eps["success_turn"], 4, num_bootstrap=100,
+                                          confidence=0.95, seed=0)
   np.testing.assert_allclose(again["mean"], mean)
+  np.testing.assert_allclose(again["lo"], lo)
+  np.testing.assert_allclose(again["hi"], hi)
   np.testing.assert_array_equal(eps["traj/success_turn"].reshape(4, 2), eps["success_turn"])
   assert eps["traj/tokens"].shape[0] == 8
-  # Every rate in [0, 1] with its interval around it; state counts as configured.
+  # Every rate's interval resamples the test tasks (4 here), not the states or rows (up to 8).
   rates = list(_rates(rep["step_quality"])) + list(_rates(rep["recovery"]))
   assert rates
   for r in rates:
-    if r["n"]:
-      assert 0 <= r["lo"] <= r["rate"] <= r["hi"] <= 1
+    assert (r["tasks"] == 0) == (r["n"] == 0) and r["tasks"] <= 4
   n_states = rep["reference_states"]
   assert n_states["oracle"] == 2 * 4            # the oracle solves hops=1 tasks in 2 turns
   assert 0 < n_states["base"] <= 8 and n_states["error"] <= 8
@@ -240,48 +242,72 @@ def test_watch_follows_a_training_run_as_it_writes(tmp_path, ev):
     assert (w / "eval" / name / "report.json").exists()
 
 
-def test_compare_states_each_claim_with_its_rule(run_dir, ev, latest, tmp_path):
+def _copy_run(src: pathlib.Path, dst: pathlib.Path, eval_name: str, **run_fields):
+  """A run's checkpoints and one evaluation in a workdir of their own, with report.json's run
+  fields changed (e.g. the training budget), as another arm or seed would have them."""
+  shutil.copytree(src / "checkpoints", dst / "checkpoints")
+  shutil.copytree(src / "eval" / eval_name, dst / "eval" / eval_name)
+  path = dst / "eval" / eval_name / "report.json"
+  rep = json.loads(path.read_text())
+  rep["run"].update(run_fields)
+  path.write_text(json.dumps(rep))
+  return dst
+
+
+def test_compare_decides_each_claim_on_its_arm(run_dir, ev, latest, tmp_path):
   # The base run: the same SFT checkpoints and their evaluation, in a workdir of their own.
   base = tmp_path / "base_run"
   shutil.copytree(run_dir / "checkpoints" / "sft", base / "checkpoints" / "sft")
   if not (run_dir / "eval" / "sft_4" / "report.json").exists():
     checkpoints.evaluate_checkpoint(small_config(), run_dir, 4, evaluator=ev)
   shutil.copytree(run_dir / "eval" / "sft_4", base / "eval" / "sft_4")
+  # Two arms of two seeds each: the RL run as BudgetMix seeds, and (relabelled) as fixed-T seeds.
+  runs = {"base": str(base)}
+  for arm, budget in (("budgetmix", "mix:1,2"), ("fixed", "fixed:4")):
+    for u in (0, 1):
+      runs[f"{arm}_s{u}"] = str(_copy_run(run_dir, tmp_path / f"{arm}_s{u}", "2",
+                                          train_budget=budget, seed=u))
   out = tmp_path / "cmp"
-  compare.compare({"base": str(base), "budgetmix": str(run_dir)}, out, small_config())
+  compare.compare(runs, out, small_config())
   for f in ["comparison.json", "comparison.md", "pass_curves_k1.png", "pass_curves_k2.png",
-            "pass_heatmap_base.png", "pass_heatmap_budgetmix.png", "step_quality.png",
+            "pass_heatmap_base.png", "pass_heatmap_budgetmix_s1.png", "step_quality.png",
             "recovery.png", "likelihood.png"]:
     assert (out / f).stat().st_size > 0, f
   saved = json.loads((out / "comparison.json").read_text())
-  assert saved["runs"]["budgetmix"]["kind"] == "mix" and saved["runs"]["base"]["kind"] == "base"
-  assert saved["runs"]["budgetmix"]["phase"] == "rl" and saved["runs"]["base"]["step"] == 4
-  verdicts = {"held", "not held", "inconclusive", "mixed"}
-  assert set(saved["claims"]) == {"1", "2", "3", "4", "5"}
-  for num, c in saved["claims"].items():
-    assert c["verdict"] in verdicts and c["rule"] == report.RULES[int(num)]
-  assert saved["claims"]["2"]["verdict"] == "inconclusive"      # no fixed-T run here
-  assert "no fixed-T RL run" in saved["claims"]["2"]["note"]
-  assert set(saved["claims"]["3"]["per_run"]) == {"budgetmix"}
-  # Claim numbers are the comparison's own measurements.
-  c5 = saved["claims"]["5"]["per_run"]["budgetmix"]
-  if "rate_rl" in c5:
-    rec = saved["recovery"]["controlled"]
-    assert c5["rate_rl"] == pytest.approx(rec["budgetmix"]["sampled"]["all"]["valid"]["rate"])
-    assert c5["rate_base"] == pytest.approx(rec["base"]["sampled"]["all"]["valid"]["rate"])
+  assert saved["arms"] == {"budgetmix": ["budgetmix_s0", "budgetmix_s1"],
+                           "fixed": ["fixed_s0", "fixed_s1"]}
+  assert saved["runs"]["budgetmix_s1"]["kind"] == "mix" and saved["runs"]["base"]["kind"] == "base"
+  assert saved["runs"]["fixed_s1"]["seed"] == 1 and saved["runs"]["fixed_s1"]["config_seed"] == 1
+  assert saved["runs"]["budgetmix_s0"]["phase"] == "rl" and saved["runs"]["base"]["step"] == 4
+  assert [saved["claims"][str(n)]["decided_on"] for n in range(1, 6)] == [
+      "fixed", "fixed", "budgetmix", "fixed", "fixed"]
+  assert set(saved["claims"]["1"]["per_arm"]) == {"budgetmix", "fixed"}
+  # Claim numbers are the comparison's own measurements: both seeds are one policy, so the
+  # pooled action-error recovery is that policy's controlled rate, and the seed null is 0.
+  rec = saved["recovery"]["controlled"]
+  c5 = saved["claims"]["5"]["per_arm"]["fixed"]["details"]
+  want = rec["fixed_s0"]["sampled"]["action"]["valid"]["rate"]
+  got = c5["rate_rl_action"]["est"]
+  assert (got is None) == (want is None) and (want is None or got == pytest.approx(want))
   lik = saved["likelihood"]
-  assert lik["rows"] == ["base", "budgetmix"] == lik["cols"]
-  c4 = saved["claims"]["4"]["per_run"]["budgetmix"]
-  assert c4["log_ratio"]["est"] == pytest.approx(lik["sum"][1][1] - lik["sum"][1][0], rel=1e-6)
+  assert lik["rows"] == ["base", "budgetmix_s0", "fixed_s0"] == lik["cols"]
+  c4 = saved["claims"]["4"]["per_arm"]["fixed"]["details"]
+  assert c4["rl_vs_base"]["est"] == pytest.approx(lik["sum"][2][2] - lik["sum"][2][0], rel=1e-6)
+  assert c4["seed_null"]["est"] == 0.0
   # The base run's stored episodes score under its own params as during its evaluation.
   base_rep = json.loads((base / "eval" / "sft_4" / "report.json").read_text())
   assert lik["sum"][0][0] == pytest.approx(base_rep["likelihood"]["sum"][0][0], rel=1e-5)
   md = (out / "comparison.md").read_text()
+  assert md.index("## Rules (fixed before the numbers)") < md.index("## Verdicts")
   for num in range(1, 6):
     assert f"### Claim {num}: **" in md
-  assert md.count("Rule: ") == 5
   with pytest.raises(ValueError, match="--base"):
-    compare.compare({"rl": str(run_dir), "x": str(base)}, out, small_config())
+    compare.compare({"rl": runs["fixed_s0"], "x": str(base)}, out, small_config())
+  with pytest.raises(ValueError, match="same seeds"):
+    compare.compare({k: v for k, v in runs.items() if k != "fixed_s1"}, out, small_config())
+  visible = _copy_run(run_dir, tmp_path / "visible", "2", train_budget_visible=True)
+  with pytest.raises(ValueError, match="evaluate as it was trained"):
+    compare.compare({"base": str(base), "v": str(visible)}, out, small_config())
 
 
 def test_launch_evaluate_script(run_dir, latest):
@@ -311,7 +337,7 @@ def test_rerun_mode_one_run_per_budget(run_dir, tmp_path):
   shutil.copytree(run_dir / "checkpoints", w / "checkpoints")
   shutil.copytree(run_dir / "data", w / "data")
   c = small_config()
-  c.eval.mode, c.eval.rerun_budgets = "rerun", "2,4"
+  c.eval.mode, c.eval.rerun_budgets, c.eval.rerun_budget_visible = "rerun", "4,2", True
   rep = checkpoints.evaluate_checkpoint(c, w)
   assert rep["eval"]["mode"] == "rerun" and rep["eval"]["budget_visible"]
   g = rep["pass_at_kt"]
@@ -328,8 +354,7 @@ def test_rerun_mode_one_run_per_budget(run_dir, tmp_path):
   assert np.all(eps["traj/budget"] == 4)
   assert rep["stats"]["base"]["mean_budget"] == 4.0
   for r in _rates(rep["step_quality"]):
-    if r["n"]:
-      assert 0 <= r["lo"] <= r["rate"] <= r["hi"] <= 1
+    assert (r["tasks"] == 0) == (r["n"] == 0) and r["tasks"] <= 4
 
 
 def test_step_quality_by_environment(run_dir, tmp_path):

@@ -66,16 +66,23 @@ def test_on_policy_recovery_by_kind_exact():
   np.testing.assert_array_equal(counts["valid"], [0, 2, 0, 0, 1, 0, 0])
   np.testing.assert_array_equal(counts["oracle"], [0, 2, 0, 0, 0, 0, 0])
   r = recovery.on_policy_recovery(traj, num_bootstrap=200, confidence=0.9, seed=0)
-  assert set(r) == {"all", "parse_error", "unknown_tool", "tool_failure"}
+  assert set(r) == {"all", "action", "format", "parse_error", "unknown_tool", "tool_failure"}
+  assert r["action"]["valid"]["n"] == 1 and r["format"]["valid"]["n"] == 3
+  assert r["format"]["valid"]["rate"] == pytest.approx(2 / 3)
   assert (r["all"]["valid"]["rate"], r["all"]["valid"]["n"]) == (0.75, 4)
   assert r["all"]["oracle"]["rate"] == 0.5
   assert r["parse_error"]["valid"]["rate"] == 1.0 and r["parse_error"]["oracle"]["rate"] == 1.0
   assert r["unknown_tool"]["valid"]["rate"] == 0.0 and r["unknown_tool"]["valid"]["n"] == 1
   assert r["tool_failure"]["valid"]["rate"] == 1.0 and r["tool_failure"]["oracle"]["rate"] == 0.0
-  # A rate over one state has the degenerate interval; a mixed one contains its estimate.
-  assert r["unknown_tool"]["valid"]["lo"] == r["unknown_tool"]["valid"]["hi"] == 0.0
+  # Intervals resample tasks, not states: rows 0 and 1 are two tasks, so the pooled rate takes
+  # three values (row 0 only: 1.0; row 1 only: 0.5; both: 0.75) ...
   a = r["all"]["valid"]
-  assert 0.0 <= a["lo"] <= 0.75 <= a["hi"] <= 1.0 and a["lo"] < a["hi"]
+  assert a["lo"] == 0.5 and a["hi"] == 1.0 and a["tasks"] == 2
+  # ... and with every row in one task, the one task always comes back: no uncertainty is seen
+  # (a state bootstrap would give a wide interval here).
+  one = traj.replace(task_id=np.zeros_like(traj.task_id))
+  a = recovery.on_policy_recovery(one, num_bootstrap=200, confidence=0.9, seed=0)["all"]["valid"]
+  assert a["lo"] == a["hi"] == 0.75 and a["tasks"] == 1
 
 
 def test_recovery_matches_rollout_stats_pooled_rate():
@@ -91,8 +98,8 @@ def test_recovery_matches_rollout_stats_pooled_rate():
 def test_no_error_states_reports_none_not_zero():
   traj = trajectory(acted=[[1, 1]], error_kind=[[0, 0]], valid=[[1, 1]], oracle=[[1, 1]])
   r = recovery.on_policy_recovery(traj, num_bootstrap=10, confidence=0.9, seed=0)
-  assert r == {"all": {"valid": {"rate": None, "lo": None, "hi": None, "n": 0},
-                       "oracle": {"rate": None, "lo": None, "hi": None, "n": 0}}}
+  none = {"rate": None, "lo": None, "hi": None, "n": 0, "tasks": 0}
+  assert r == {k: {"valid": none, "oracle": none} for k in ("all", "action", "format")}
 
 
 @pytest.fixture(scope="module")
@@ -173,8 +180,8 @@ def test_controlled_error_states_replay_hand_actions(env):
   np.testing.assert_array_equal(info.oracle_match, traj.oracle_match[errs.row, errs.turn])
   # Outcomes of those actions, by the kind of the failure before them.
   r = recovery.recovery_rates(errs.prev_error_kind, np.asarray(info.valid_call),
-                              np.asarray(info.oracle_match), num_bootstrap=50, confidence=0.9,
-                              seed=0)
+                              np.asarray(info.oracle_match), errs.task, num_bootstrap=50,
+                              confidence=0.9, seed=0)
   assert r["all"]["valid"]["rate"] == 1.0 and r["all"]["oracle"]["rate"] == pytest.approx(2 / 3)
   assert r["bad_arguments"]["oracle"]["rate"] == 0.0 and r["parse_error"]["oracle"]["rate"] == 1.0
 

@@ -20,7 +20,8 @@ def test_quality_rates_exact():
   match = np.array([1, 0, 0, 0, 1, 0], bool)
   source = np.array(["oracle"] * 3 + ["base"] * 3)
   env = np.array(["lookup"] * 4 + ["arithmetic"] * 2)
-  q = step_quality.quality_rates(valid, match, {"source": source, "env": env},
+  task = np.array([0, 0, 1, 2, 3, 3])
+  q = step_quality.quality_rates(valid, match, task, {"source": source, "env": env},
                                  num_bootstrap=300, confidence=0.9, seed=0)
   assert (q["overall"]["valid"]["rate"], q["overall"]["valid"]["n"]) == (0.5, 6)
   assert q["overall"]["oracle"]["rate"] == pytest.approx(1 / 3)
@@ -29,10 +30,15 @@ def test_quality_rates_exact():
   assert q["source"]["base"]["valid"]["rate"] == pytest.approx(1 / 3)
   assert q["env"]["lookup"]["valid"]["rate"] == 0.5 and q["env"]["lookup"]["valid"]["n"] == 4
   assert q["env"]["arithmetic"]["oracle"]["rate"] == 0.5
-  for r in (q["overall"]["valid"], q["source"]["base"]["oracle"], q["env"]["lookup"]["oracle"]):
-    assert 0.0 <= r["lo"] <= r["rate"] <= r["hi"] <= 1.0
+  # Intervals resample tasks: oracle-source valid outcomes are task 0 (1, 1) and task 1 (0), so
+  # a resample's pooled rate is 1, 2/3, 1/2 or 0 (all of task 1) at the extremes.
+  r = q["source"]["oracle"]["valid"]
+  assert r["tasks"] == 2 and r["lo"] == 0.0 and r["hi"] == 1.0
+  # The arithmetic states are one task: its rate never varies under resampling.
+  r = q["env"]["arithmetic"]["valid"]
+  assert r["tasks"] == 1 and r["lo"] == r["hi"] == r["rate"] == 0.5
   # Same seed, same intervals.
-  q2 = step_quality.quality_rates(valid, match, {"source": source, "env": env},
+  q2 = step_quality.quality_rates(valid, match, task, {"source": source, "env": env},
                                   num_bootstrap=300, confidence=0.9, seed=0)
   assert q2 == q
 

@@ -46,15 +46,36 @@ def test_rerun_mode_budgets_and_visibility():
   c = default.get_config()
   c.eval.mode, c.eval.rerun_budgets = "rerun", "2,4"
   ev = rc.eval_config(c)
-  assert ev.budgets == (2, 4) and ev.budget_visible is True
-  c.eval.rerun_budget_visible = False
-  assert rc.eval_config(c).budget_visible is False
+  # The default follows the default training (budget hidden).
+  assert ev.budgets == (2, 4) and ev.budget_visible is False
+  c.eval.rerun_budget_visible = True
+  assert rc.eval_config(c).budget_visible is True
+  # Budgets are sorted and unique: every consumer may take the last as T_max.
+  c.eval.rerun_budgets = "8,2,4,4"
+  assert rc.eval_config(c).budgets == (2, 4, 8)
+
+
+def test_study_section():
+  c = default.get_config()
+  st = rc.study_config(c)
+  assert st.seeds == 3 and st.min_seeds == 2 and st.margin_non_inferiority == 0.05
+  c.study.seeds = 0
+  with pytest.raises(rc.ConfigError, match=r"config\.study\.seeds must be >= 1"):
+    rc.study_config(c)
+  c.study.seeds, c.study.mix_budget = 2, "mix:"
+  with pytest.raises(rc.ConfigError, match=r"config\.study\.mix_budget"):
+    rc.study_config(c)
+  c.study.mix_budget = "mix:2,4"
+  c.study.margins = 1
+  with pytest.raises(rc.ConfigError, match="unknown key"):
+    rc.study_config(c)
 
 
 @pytest.mark.parametrize("variant", ["quick", "smoke"])
 def test_variants_build(variant):
   c = default.get_config(variant)
   rc.validate(c)
+  rc.study_config(c)
   assert rc.rl_config(c).budget.spec == c.rl.budget
   assert rc.eval_config(c).max_turns == c.eval.max_turns
 
