@@ -20,7 +20,7 @@ def test_default_sections_carry_the_config_values():
   assert sft == rc.SFTConfig(steps=300, batch_size=16, learning_rate=3e-3, warmup_steps=10,
                              weight_decay=0.0, max_grad_norm=1.0)
   rl = rc.rl_config(c)
-  assert (rl.steps, rl.num_tasks, rl.group_size) == (30, 8, 8)
+  assert (rl.steps, rl.num_tasks, rl.group_size) == (20, 8, 8)
   assert rl.budget == Budget.parse("fixed:8", per="batch")
   assert rl.budget.max_turns == 8 and rl.budget.arm == "fixed"
   assert rl.budget_visible is False and rl.reference_on_host is False
