@@ -189,14 +189,16 @@ class Evaluator:
     width = max(refs.prefix.shape[1], errs.prefix.shape[1])
     return step_quality.pad_prefix(refs, width), step_quality.pad_prefix(errs, width)
 
-  def act(self, params, states, key, env_set: EnvSet | None = None) -> dict[str, dict]:
+  def act(self, params, states, key, env_set: EnvSet | None = None,
+          modes: tuple[str, ...] = step_quality.MODES) -> dict[str, dict]:
     """Next-action outcomes per decoding mode: {mode: step_quality.next_actions dict}, in the
     config's environment or `env_set`'s."""
     fn = (env_set or self.main).next_action_fn()
     temps = {"greedy": 0.0, "sampled": self.e.temperature}
-    return {m: step_quality.next_actions(fn, params, states, jax.random.fold_in(key, i),
+    return {m: step_quality.next_actions(fn, params, states,
+                                         jax.random.fold_in(key, step_quality.MODES.index(m)),
                                          temps[m], self.e.state_batch)
-            for i, m in enumerate(step_quality.MODES)}
+            for m in modes}
 
   def extra_states(self, params, key) -> list:
     """[(env_set, oracle reference states)] of every extra environment (computed once)."""
@@ -263,7 +265,9 @@ class Evaluator:
 
     def once(p):
       if id(p) not in done:
-        done[id(p)] = (self.act(p, refs, k_act), self.act(p, errs, k_act),
+        # Error states: sampled only. Recovery is a property of the policy's distribution (the
+        # claims use sampled actions), and the error states are most of the states.
+        done[id(p)] = (self.act(p, refs, k_act), self.act(p, errs, k_act, modes=("sampled",)),
                        self.act_extra(p, k_act, extra))
       return done[id(p)]
 
