@@ -124,6 +124,8 @@ class GGUFFile:
       return bytes(part).decode("utf-8")
     if f.types[0].name == "ARRAY":
       return default
+    if f.types[0].name == "FLOAT32":   # the shortest decimal that is this float32: 1e-05, not
+      return float(str(part[0]))       # 9.999999747378752e-06 (what config.json said)
     return part.tolist()[0]
 
   def array_len(self, key: str) -> int | None:

@@ -9,7 +9,9 @@ load_gguf_checkpoint` (the loader behind `from_pretrained(dir, gguf_file=...)`, 
 from __future__ import annotations
 
 import importlib.util
+import json
 import pathlib
+from typing import Any
 
 import numpy as np
 import pytest
@@ -197,25 +199,7 @@ def _write_gguf(path: pathlib.Path, hf: dict[str, np.ndarray], arch: str = "llam
   """Writes `hf` as llama.cpp would: GGUF names, permuted Q/K, the embedding in Q8_0."""
   q = gguf.GGMLQuantizationType
   w = gguf.GGUFWriter(str(path), arch)
-  w.add_block_count(_LAYERS)
-  w.add_context_length(256)
-  w.add_embedding_length(_D)
-  w.add_feed_forward_length(_F)
-  w.add_head_count(_H)
-  w.add_head_count_kv(_K)
-  w.add_rope_dimension_count(_HD)
-  w.add_rope_freq_base(50000.0)
-  w.add_layer_norm_rms_eps(1e-5)
-  w.add_vocab_size(_VOCAB)
-  w.add_tokenizer_model("gpt2")
-  w.add_tokenizer_pre("default")
-  w.add_token_list(_TOKENS)
-  w.add_token_types([1] * (_VOCAB - len(_SPECIALS)) + [3] * len(_SPECIALS))
-  w.add_token_merges(_MERGES)
-  w.add_bos_token_id(_BOS)
-  w.add_eos_token_id(_EOS)
-  w.add_pad_token_id(_PAD)
-  w.add_chat_template(CHATML)
+  _add_metadata(w, _D, _F, _H, _K, _HD)
   for name, x in hf.items():
     g = gguf_io.gguf_tensor_name(name)
     if name.endswith("q_proj.weight"):
@@ -228,6 +212,36 @@ def _write_gguf(path: pathlib.Path, hf: dict[str, np.ndarray], arch: str = "llam
       w.add_tensor(g, np.ones(x.shape, np.int32))
     else:
       w.add_tensor(g, x)
+  return _finish(w, path)
+
+
+def _add_metadata(w, d: int, f: int, h: int, k: int, hd: int) -> None:
+  """The model settings and the byte-level tokenizer, as llama.cpp's converter writes them."""
+  w.add_block_count(_LAYERS)
+  w.add_context_length(256)
+  w.add_embedding_length(d)
+  w.add_feed_forward_length(f)
+  w.add_head_count(h)
+  w.add_head_count_kv(k)
+  w.add_rope_dimension_count(hd)
+  if hd != d // h:
+    w.add_key_length(hd)
+    w.add_value_length(hd)
+  w.add_rope_freq_base(50000.0)
+  w.add_layer_norm_rms_eps(1e-5)
+  w.add_vocab_size(_VOCAB)
+  w.add_tokenizer_model("gpt2")
+  w.add_tokenizer_pre("default")
+  w.add_token_list(_TOKENS)
+  w.add_token_types([1] * (_VOCAB - len(_SPECIALS)) + [3] * len(_SPECIALS))
+  w.add_token_merges(_MERGES)
+  w.add_bos_token_id(_BOS)
+  w.add_eos_token_id(_EOS)
+  w.add_pad_token_id(_PAD)
+  w.add_chat_template(CHATML)
+
+
+def _finish(w, path: pathlib.Path) -> pathlib.Path:
   w.write_header_to_file()
   w.write_kv_data_to_file()
   w.write_tensors_to_file()
@@ -314,3 +328,191 @@ def test_nonfinite_weights_are_named_unless_allowed(tmp_path):
     from_pretrained(path)
   policy = from_pretrained(path, allow_nonfinite=True)
   assert np.isnan(np.asarray(policy.params["layers"]["down_proj"][1])).sum() == 1
+
+
+# ---- every architecture in every tensor type ----------------------------------------------------
+#
+# Tiny random llama / qwen2 (q/k/v biases, tied embeddings) / qwen3 (q/k norms, head_dim != d/h)
+# files, each tensor in a chosen GGUF type. The test generates every tensor in the GGUF layout
+# (llama's Q/K rows permuted as llama.cpp writes them); the weights it means are gguf's own
+# dequantisation of what it wrote, with its own inverse of that permutation. Hidden size, query
+# width and FFN width are multiples of 256, so every matrix row holds whole K-quant blocks.
+
+QT = gguf.GGMLQuantizationType
+# gguf.quants.quantize writes these (F32/F16: plain numpy arrays).
+WRITABLE = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")
+# gguf.quants can only dequantise these: the test builds random raw blocks, with the f16 super-
+# block scales (at these byte offsets of ggml's block layout) set to small finite values, at most
+# the second number (weights of roughly 0.1).
+RAW_SCALES = {"Q4_K": ((0, 2), 3e-4), "Q5_K": ((0, 2), 2e-4), "Q6_K": ((-2,), 1e-4),
+              "IQ4_NL": ((0,), 2e-3), "IQ4_XS": ((0,), 1e-4)}
+TYPES = WRITABLE + tuple(RAW_SCALES)
+
+# arch -> (d, f, heads, kv heads, head_dim, tied embeddings)
+ARCHS = {"llama": (256, 512, 4, 2, 64, False), "qwen2": (256, 512, 4, 2, 64, True),
+         "qwen3": (256, 512, 4, 2, 128, False)}
+
+
+def _hf_shapes(arch: str) -> dict[str, tuple[int, ...]]:
+  """HF tensor name -> HF shape of the architecture's tiny model."""
+  d, f, h, k, hd, tied = ARCHS[arch]
+  out = {"model.embed_tokens.weight": (_VOCAB, d), "model.norm.weight": (d,)}
+  if not tied:
+    out["lm_head.weight"] = (_VOCAB, d)
+  for i in range(_LAYERS):
+    p = f"model.layers.{i}."
+    out.update({p + "self_attn.q_proj.weight": (h * hd, d),
+                p + "self_attn.k_proj.weight": (k * hd, d),
+                p + "self_attn.v_proj.weight": (k * hd, d),
+                p + "self_attn.o_proj.weight": (d, h * hd),
+                p + "mlp.gate_proj.weight": (f, d), p + "mlp.up_proj.weight": (f, d),
+                p + "mlp.down_proj.weight": (d, f),
+                p + "input_layernorm.weight": (d,), p + "post_attention_layernorm.weight": (d,)})
+    if arch == "qwen2":
+      out.update({p + "self_attn.q_proj.bias": (h * hd,), p + "self_attn.k_proj.bias": (k * hd,),
+                  p + "self_attn.v_proj.bias": (k * hd,)})
+    if arch == "qwen3":
+      out.update({p + "self_attn.q_norm.weight": (hd,), p + "self_attn.k_norm.weight": (hd,)})
+  return out
+
+
+def _tensor(rng, shape: tuple[int, ...], qtype, norm: bool) -> tuple[np.ndarray, Any]:
+  """(data for GGUFWriter.add_tensor, raw_dtype) of a random tensor of (HF) shape `shape`."""
+  x = (rng.standard_normal(shape) * 0.2 + (1.0 if norm else 0.0)).astype(np.float32)
+  if qtype == QT.F32:
+    return x, None
+  if qtype == QT.F16:
+    return x.astype(np.float16), None
+  if qtype.name in WRITABLE:
+    return gguf.quants.quantize(x, qtype), qtype
+  block, size = gguf.constants.GGML_QUANT_SIZES[qtype]
+  raw = rng.integers(0, 256, (*shape[:-1], shape[-1] // block, size), dtype=np.uint8)
+  offsets, top = RAW_SCALES[qtype.name]
+  for at in offsets:
+    scale = rng.uniform(top / 4, top, raw.shape[:-1]).astype(np.float16)[..., None].view(np.uint8)
+    raw[..., at:at + 2 if at + 2 else None] = scale
+  return raw.reshape(*shape[:-1], -1), qtype
+
+
+def _unpermute_rows(x: np.ndarray, n: int) -> np.ndarray:
+  """The inverse of `_permute` (by its row indices: independent of the loader's `_unpermute`)."""
+  rows = _permute(np.arange(x.shape[0]), n)
+  out = np.empty_like(x)
+  out[rows] = x
+  return out
+
+
+def _write_typed_gguf(path: pathlib.Path, arch: str, types, seed: int = 0):
+  """A tiny `arch` file whose matrices take the types of `types` in turn (1-D tensors too where
+  the type has no blocks; else F32, as llama.cpp writes norms and biases).
+
+  Returns (path, the HF-layout float32 weights it holds by HF name, GGUF type by HF name)."""
+  d, f, h, k, hd, _ = ARCHS[arch]
+  rng = np.random.default_rng(seed)
+  w = gguf.GGUFWriter(str(path), arch)
+  _add_metadata(w, d, f, h, k, hd)
+  want, written, j = {}, {}, 0
+  for name, shape in _hf_shapes(arch).items():
+    qtype = QT[types[j % len(types)]]
+    if len(shape) == 2:
+      j += 1
+    elif gguf.constants.GGML_QUANT_SIZES[qtype][0] != 1:
+      qtype = QT.F32
+    data, raw_dtype = _tensor(rng, shape, qtype, norm=name.endswith("norm.weight"))
+    g = gguf_io.gguf_tensor_name(name)
+    w.add_tensor(g, data, raw_dtype=raw_dtype)
+    x = gguf.quants.dequantize(data, qtype).astype(np.float32).reshape(shape)
+    if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+      x = _unpermute_rows(x, h if "q_proj" in name else k)
+    assert np.isfinite(x).all() and 0.01 < x.std(), (name, qtype.name)
+    want[name], written[name] = x, qtype
+  return _finish(w, path), want, written
+
+
+def _write_hf_dir(path: pathlib.Path, arch: str, weights: dict[str, np.ndarray], tokenizer):
+  """A Hugging Face checkpoint directory of the same model: config.json, model.safetensors."""
+  from safetensors.numpy import save_file
+  d, f, h, k, hd, tied = ARCHS[arch]
+  path.mkdir()
+  config = {"model_type": arch, "vocab_size": _VOCAB, "hidden_size": d, "intermediate_size": f,
+            "num_hidden_layers": _LAYERS, "num_attention_heads": h, "num_key_value_heads": k,
+            "head_dim": hd, "max_position_embeddings": 256, "rope_theta": 50000.0,
+            "rms_norm_eps": 1e-5, "tie_word_embeddings": tied, "hidden_act": "silu",
+            "torch_dtype": "float32", "bos_token_id": _BOS, "eos_token_id": _EOS,
+            "pad_token_id": _PAD}
+  (path / "config.json").write_text(json.dumps(config))
+  save_file(weights, str(path / hf_io.SINGLE_FILE))
+  tokenizer.save_pretrained(str(path))
+  return path
+
+
+def _params_by_hf_name(cfg, params) -> dict[str, np.ndarray]:
+  out = {}
+  for e in hf_io._entries(cfg):
+    leaf = np.asarray(hf_io._get(params, e.path))
+    for i in range(cfg.num_layers) if e.stacked else [None]:
+      out[e.hf_name.format(i=i)] = e.to_hf(leaf[i] if e.stacked else leaf)
+  return out
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+@pytest.mark.parametrize("arch", ARCHS)
+def test_every_type_loads_as_ggufs_dequantisation(tmp_path, arch, qtype):
+  path, want, written = _write_typed_gguf(tmp_path / f"{arch}-{qtype}.gguf", arch, [qtype])
+  f = gguf_io.GGUFFile(path)
+  assert {f.tensors[gguf_io.gguf_tensor_name(n)].tensor_type for n in want
+          if len(want[n].shape) == 2} == {QT[qtype]}   # the file holds what the test meant
+  cfg = gguf_io.read_config(path, "float32", f=f)
+  d, ff, h, k, hd, tied = ARCHS[arch]
+  assert (cfg.model_type, cfg.hidden_size, cfg.intermediate_size, cfg.num_heads,
+          cfg.num_kv_heads, cfg.head_dim, cfg.tie_word_embeddings, cfg.qkv_bias,
+          cfg.qk_norm) == (arch, d, ff, h, k, hd, tied, arch == "qwen2", arch == "qwen3")
+  got = _params_by_hf_name(cfg, gguf_io.load_params(path, cfg, f=f))
+  assert got.keys() == want.keys()
+  for name in want:
+    np.testing.assert_array_equal(got[name], want[name],
+                                  err_msg=f"{name} ({written[name].name})")
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_mixed_types_match_the_safetensors_path(tmp_path, arch):
+  """A file with every type (as quantised files mix them) gives the logits of its dequantised
+  weights loaded from a Hugging Face directory."""
+  path, want, written = _write_typed_gguf(tmp_path / f"{arch}.gguf", arch, TYPES, seed=1)
+  assert {t.name for t in written.values()} >= set(TYPES)
+  ours = from_pretrained(path)
+  ref = from_pretrained(_write_hf_dir(tmp_path / "hf", arch, want, ours.tokenizer))
+  assert ours.config == ref.config
+  ids = np.random.default_rng(2).integers(0, _VOCAB, (2, 24))
+  mask = np.ones_like(ids)
+  mask[1, :5] = 0   # left padding
+  got, expected = np.asarray(ours.forward(ids, mask)), np.asarray(ref.forward(ids, mask))
+  assert np.abs(expected).max() > 0.5   # the weights do reach the logits
+  np.testing.assert_allclose(got, expected, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("qtype", ["Q8_1", "Q8_K", "F64"])
+def test_type_gguf_cannot_dequantise_is_named(tmp_path, qtype):
+  """Types outside the supported set (gguf.quants has no dequantiser for Q8_1/Q8_K: llama.cpp
+  only uses them for activations; F64 is not a weight type) are refused before any compute."""
+  path = tmp_path / f"{qtype}.gguf"
+  w = gguf.GGUFWriter(str(path), "qwen2")
+  d, f, h, k, hd, _ = ARCHS["qwen2"]
+  _add_metadata(w, d, f, h, k, hd)
+  rng = np.random.default_rng(0)
+  for name, shape in _hf_shapes("qwen2").items():
+    g = gguf_io.gguf_tensor_name(name)
+    if g == "blk.1.ffn_gate.weight":
+      if qtype == "F64":
+        w.add_tensor(g, rng.standard_normal(shape))
+      else:
+        block, size = gguf.constants.GGML_QUANT_SIZES[QT[qtype]]
+        w.add_tensor(g, np.zeros((shape[0], shape[1] // block * size), np.uint8),
+                     raw_dtype=QT[qtype])
+    else:
+      w.add_tensor(g, rng.standard_normal(shape).astype(np.float32))
+  _finish(w, path)
+  with pytest.raises(CheckpointError, match=rf"'blk\.1\.ffn_gate\.weight' has type {qtype}, "
+                                            r"which jaxagent cannot dequantise") as info:
+    from_pretrained(path)
+  assert str(path) in str(info.value) and "Q4_K" in str(info.value)   # lists what it can read
