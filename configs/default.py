@@ -93,14 +93,18 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.rl.reference_on_host = False
   # Learner knobs (jaxagent.learners.update.LearnerConfig). Measured on the default: at lr 1e-3
   # without KL, fixed-T RL at T=8 collapsed after 8 steps (entropy 0.3 -> 0.9, valid calls 0.56
-  # -> 0.03); lr 5e-4 with a k3 KL to the base keeps it anchored.
+  # -> 0.03); lr 5e-4 with a k3 KL to the base keeps it anchored. Turn-level credit
+  # (jaxagent.learners.credit): advantage "gigpo" (episode + anchor-state step advantage,
+  # step_weight) or "per_turn" (discounted reward-to-go, gamma, against a per-turn group
+  # baseline); process rewards per turn for a valid call, the oracle's action, an error (0 = off).
   c.rl.learner = ml_collections.ConfigDict({
       "advantage": "grpo", "normalize_std": True, "loss": "ppo_clip", "clip_eps_low": 0.2,
       "clip_eps_high": 0.28, "aggregation": "token", "kl_coef": 0.05, "kl_estimator": "k3",
       "entropy_coef": 0.0, "success_reward": 1.0, "invalid_call_penalty": 0.0,
       "turn_cost": 0.0, "filter_equal_groups": False, "epochs": 1, "minibatches": 2,
       "learning_rate": 5e-4, "warmup_steps": 3, "schedule": "constant", "weight_decay": 0.0,
-      "max_grad_norm": 1.0,
+      "max_grad_norm": 1.0, "process_valid_call": 0.0, "process_oracle_match": 0.0,
+      "process_error": 0.0, "gamma": 1.0, "step_weight": 1.0,
   })
 
   # The study (jaxagent.study; python -m launch.study): three RL runs from the SFT base.
@@ -194,13 +198,15 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.data.num_train, c.data.num_validation, c.data.num_test = 256, 16, 32
     c.data.demo_episodes_per_task = 1
     # Measured at 80 SFT and 5 RL steps: 5.6 min (SFT 2.0, RL 1.5, evaluation 1.5, comparison
-    # 0.6), mostly compilation; hence 50 and 4.
+    # 0.6), mostly compilation; hence 50 and 4. With 2 seeds per arm (2026-12-05, 4 RL steps,
+    # all 389 error states): 8.0 min (start and SFT 1.8, RL 2.7, evaluation 0.8, comparison
+    # 2.5); hence 3 RL steps and a cap of 128 error states.
     c.sft.steps = 50
-    c.rl.steps, c.rl.num_tasks, c.rl.group_size = 4, 4, 8
-    c.checkpoint_every = 4
+    c.rl.steps, c.rl.num_tasks, c.rl.group_size = 3, 4, 8
+    c.checkpoint_every = 3
     c.eval.num_samples = 4
-    c.eval.tasks_per_batch, c.eval.max_reference_states = 32, 64
-    c.eval.state_batch, c.eval.likelihood_trajectories, c.eval.num_bootstrap = 32, 64, 300
+    c.eval.tasks_per_batch, c.eval.max_reference_states, c.eval.max_error_states = 32, 64, 128
+    c.eval.state_batch, c.eval.likelihood_trajectories, c.eval.num_bootstrap = 32, 32, 300
     c.study.seeds = 2
   elif variant == "smoke":
     c.env.name = "lookup"

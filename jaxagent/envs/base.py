@@ -83,3 +83,53 @@ class Environment(Protocol):
 
 def empty_buffer(n: int) -> TokenBuffer:
   return TokenBuffer(tokens=jnp.zeros((n,), jnp.int32), length=jnp.zeros((), jnp.int32))
+
+
+# ---- state identity -----------------------------------------------------------------------------
+
+# Bookkeeping fields of a state dataclass that do not make two states different for credit
+# assignment: the turn counter and the budget (two episodes that reach the same position at
+# different turns are at the same anchor state).
+IDENTITY_EXCLUDED = ("turn", "budget")
+
+
+def _mix32(x: jax.Array) -> jax.Array:
+  """murmur3's 32-bit finaliser: every input bit affects every output bit."""
+  x = x ^ (x >> 16)
+  x = x * jnp.uint32(0x85EBCA6B)
+  x = x ^ (x >> 13)
+  x = x * jnp.uint32(0xC2B2AE35)
+  return x ^ (x >> 16)
+
+
+def identity_words(state: Any) -> jax.Array:
+  """The state's content as one uint32 vector [S] (one episode; the fields in
+  `IDENTITY_EXCLUDED` left out): equal vectors <=> identical states."""
+  if dataclass_fields := getattr(state, "__dataclass_fields__", None):
+    state = {k: getattr(state, k) for k in dataclass_fields if k not in IDENTITY_EXCLUDED}
+  words = []
+  for leaf in jax.tree.leaves(state):
+    leaf = jnp.asarray(leaf)
+    if leaf.dtype == jnp.bool_:
+      leaf = leaf.astype(jnp.uint32)
+    elif jnp.issubdtype(leaf.dtype, jnp.floating):
+      leaf = jax.lax.bitcast_convert_type(leaf.astype(jnp.float32), jnp.uint32)
+    else:
+      leaf = leaf.astype(jnp.int32).view(jnp.uint32) if leaf.dtype != jnp.uint32 else leaf
+    words.append(leaf.reshape(-1))
+  return jnp.concatenate(words) if words else jnp.zeros((0,), jnp.uint32)
+
+
+def state_fingerprint(state: Any) -> jax.Array:
+  """[2] uint32: a 64-bit hash of `identity_words(state)` (one episode; vmap for a batch).
+
+  Two hashes with different seeds, each sum_i mix(w_i ^ mix(i + seed)) over the words: identical
+  states always get the same fingerprint; different ones collide with probability ~2^-64 per pair.
+  """
+  w = identity_words(state)
+  i = jnp.arange(w.shape[0], dtype=jnp.uint32)
+  out = []
+  for seed in (jnp.uint32(0x9E3779B9), jnp.uint32(0x7F4A7C15)):
+    out.append(jnp.sum(_mix32(w ^ _mix32(i * jnp.uint32(2654435761) + seed)), dtype=jnp.uint32)
+               ^ _mix32(jnp.uint32(w.shape[0]) + seed))
+  return jnp.stack(out)

@@ -58,7 +58,10 @@ def latest_eval(workdir) -> tuple[dict, dict]:
 
 
 def _traj_from(eps: dict) -> Trajectory:
-  return Trajectory(**{f: eps[f"traj/{f}"] for f in TRAJ_FIELDS})
+  out = {f: eps[f"traj/{f}"] for f in TRAJ_FIELDS if f"traj/{f}" in eps}
+  if "state_id" not in out:           # evaluations stored before state fingerprints were recorded
+    out["state_id"] = np.zeros(out["acted"].shape + (2,), np.uint32)
+  return Trajectory(**out)
 
 
 def run_kind(label: str, base: str, train_budget: str) -> str:

@@ -1,7 +1,7 @@
 """Policy-gradient losses, registered by name, with optional KL and entropy terms.
 
 Per agent token (loss_mask 1) with current log-prob logp, behaviour log-prob (the rollout's)
-logp_old, the episode's advantage A, and ratio rho = exp(logp - logp_old):
+logp_old, the advantage A of its episode (or of its turn, with turn-level credit), and ratio rho = exp(logp - logp_old):
 
     reinforce   l = -A * logp
     ppo_clip    l = -min(rho * A, clip(rho, 1 - eps_low, 1 + eps_high) * A)
@@ -136,7 +136,8 @@ def policy_loss(logp: jax.Array, behaviour_logp: jax.Array, advantages: jax.Arra
 
   Args:
     logp, behaviour_logp, loss_mask: [B, L] float32 (current / rollout log-probs, agent tokens).
-    advantages: [B] float32, one per episode, broadcast to its tokens.
+    advantages: [B] float32, one per episode, broadcast to its tokens; or [B, L], one per token
+      (turn-level credit: each turn's action tokens carry their turn's advantage).
     loss: a registered policy loss ("reinforce", "ppo_clip").
     aggregation: "token" or "sequence".
     clip_eps_low, clip_eps_high: the clip range [1 - low, 1 + high] (ppo_clip).
@@ -153,7 +154,8 @@ def policy_loss(logp: jax.Array, behaviour_logp: jax.Array, advantages: jax.Arra
   """
   pg_fn = get_policy_loss(loss)
   agg = lambda x: aggregate(x, loss_mask, episode_weight, aggregation)
-  pg_bl, clipped_bl = pg_fn(logp, behaviour_logp, advantages[:, None],
+  adv_bl = advantages[:, None] if advantages.ndim == 1 else advantages
+  pg_bl, clipped_bl = pg_fn(logp, behaviour_logp, adv_bl,
                             clip_eps_low=clip_eps_low, clip_eps_high=clip_eps_high)
   pg = agg(pg_bl)
   total = pg

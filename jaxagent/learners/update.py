@@ -6,7 +6,9 @@
     update = make_update_fn(cfg, policy.config, optimizer)
     state, metrics = update(state, trajectory, ref_params)  # ref_params may be None (no KL)
 
-One call: episode rewards -> (optional) equal-group filter -> advantages over the whole batch ->
+One call: episode rewards -> (optional) equal-group filter -> advantages over the whole batch
+(per episode, or per turn with a turn-level estimator of `credit.py`: each turn's action tokens
+get their turn's advantage) ->
 reference log-probs (once, if a reference is given) -> `lax.scan` over epochs, each a fresh
 permutation of the episodes from the state's key, and inside a `lax.scan` over `minibatches`
 fixed-size minibatches of B / minibatches episodes: loss and gradient through
@@ -24,6 +26,7 @@ import jax.numpy as jnp
 import optax
 from flax import struct
 
+from jaxagent.learners import credit
 from jaxagent.learners.advantages import ADVANTAGE_ESTIMATORS, compute_advantages
 from jaxagent.learners.losses import AGGREGATIONS, KL_ESTIMATORS, POLICY_LOSSES, policy_loss
 from jaxagent.learners.rewards import episode_rewards, equal_group_mask
@@ -65,10 +68,19 @@ class LearnerConfig:
   invalid_call_penalty: float = 0.0
   turn_cost: float = 0.0
   filter_equal_groups: bool = False
-  # Advantages (advantages.py): a registered estimator; std normalisation (grpo, reinforce).
+  # Process rewards per turn (credit.py; 0 = off): a valid call, the oracle's action, an error.
+  process_valid_call: float = 0.0
+  process_oracle_match: float = 0.0
+  process_error: float = 0.0
+  # Advantages: a registered estimator, per episode (advantages.py: grpo, rloo, reinforce) or per
+  # turn (credit.py: gigpo, per_turn); std normalisation (grpo, reinforce and the turn-level ones).
   advantage: str = "grpo"
   normalize_std: bool = True
   advantage_eps: float = 1e-6
+  # Turn-level estimators: discount of the reward-to-go per turn, and gigpo's weight of the
+  # step (anchor-state) advantage added to the episode advantage.
+  gamma: float = 1.0
+  step_weight: float = 1.0
   # Policy loss (losses.py): a registered loss, clip range [1 - low, 1 + high], aggregation.
   loss: str = "ppo_clip"
   clip_eps_low: float = 0.2
@@ -99,7 +111,8 @@ class LearnerConfig:
   adam_eps: float = 1e-8
 
   def __post_init__(self):
-    for field, table in (("advantage", ADVANTAGE_ESTIMATORS), ("loss", POLICY_LOSSES),
+    estimators = {**ADVANTAGE_ESTIMATORS, **credit.TURN_ADVANTAGE_ESTIMATORS}
+    for field, table in (("advantage", estimators), ("loss", POLICY_LOSSES),
                          ("kl_estimator", KL_ESTIMATORS), ("aggregation", AGGREGATIONS),
                          ("schedule", LR_SCHEDULES)):
       value = getattr(self, field)
@@ -114,6 +127,18 @@ class LearnerConfig:
                        f"{self.clip_eps_low}, {self.clip_eps_high}")
     if self.warmup_steps < 0:
       raise ValueError(f"learner config: warmup_steps must be >= 0, got {self.warmup_steps}")
+    if not 0.0 <= self.gamma <= 1.0:
+      raise ValueError(f"learner config: gamma must be in [0, 1], got {self.gamma}")
+
+  @property
+  def turn_level(self) -> bool:
+    """Whether the advantage estimator gives one value per turn (credit.py)."""
+    return self.advantage in credit.TURN_ADVANTAGE_ESTIMATORS
+
+  @property
+  def process(self) -> dict:
+    return dict(process_valid_call=self.process_valid_call,
+                process_oracle_match=self.process_oracle_match, process_error=self.process_error)
 
   @classmethod
   def from_config(cls, config: Mapping[str, Any]) -> "LearnerConfig":
@@ -222,7 +247,7 @@ class _Batch:
   length: jax.Array              # [B] int32
   loss_mask: jax.Array           # [B, L] float32
   behaviour_logprobs: jax.Array  # [B, L] float32
-  advantages: jax.Array          # [B] float32
+  advantages: jax.Array          # [B] float32 per episode, or [B, L] per token (turn-level)
   weight: jax.Array              # [B] float32 (equal-group filter; all 1 without it)
   ref_logprobs: jax.Array | None  # [B, L] float32, or None without a reference
 
@@ -264,13 +289,31 @@ def make_update_fn(cfg: LearnerConfig, model_cfg: ModelConfig, optimizer: optax.
     if ref_params is None and cfg.kl_coef != 0:
       raise ValueError(f"kl_coef={cfg.kl_coef} needs reference parameters; pass ref_params "
                        "or set kl_coef=0")
-    rewards = episode_rewards(traj, success_reward=cfg.success_reward,
-                              invalid_call_penalty=cfg.invalid_call_penalty,
-                              turn_cost=cfg.turn_cost)                                  # [B]
+    outcome = dict(success_reward=cfg.success_reward,
+                   invalid_call_penalty=cfg.invalid_call_penalty, turn_cost=cfg.turn_cost)
+    extra_metrics = {}
+    if cfg.turn_level:
+      r_bt = credit.turn_rewards(traj, **outcome, **cfg.process)                      # [B, T]
+      rewards = jnp.sum(r_bt, axis=1)                                                  # [B]
+    else:
+      rewards = episode_rewards(traj, **outcome)                                       # [B]
+      if any(cfg.process.values()):
+        rewards = rewards + credit.process_rewards(traj, **cfg.process)
     weight = (equal_group_mask(rewards, traj.group_id, b) if cfg.filter_equal_groups
               else jnp.ones((b,), jnp.float32))                                          # [B]
-    adv = compute_advantages(cfg.advantage, rewards, traj.group_id, num_groups=b,
-                             normalize_std=cfg.normalize_std, eps=cfg.advantage_eps)     # [B]
+    if cfg.turn_level:
+      adv_bt, extra_metrics = credit.compute_turn_advantages(
+          cfg.advantage, r_bt, traj.acted, traj.state_id, traj.group_id, num_groups=b,
+          normalize_std=cfg.normalize_std, eps=cfg.advantage_eps, gamma=cfg.gamma,
+          step_weight=cfg.step_weight)                                                 # [B, T]
+      adv = credit.token_advantages(adv_bt, traj.turn_of_token)                        # [B, L]
+      steps = jnp.maximum(jnp.sum(traj.acted), 1)
+      adv_mean = jnp.sum(adv_bt) / steps
+      adv_abs_mean = jnp.sum(jnp.abs(adv_bt)) / steps
+    else:
+      adv = compute_advantages(cfg.advantage, rewards, traj.group_id, num_groups=b,
+                               normalize_std=cfg.normalize_std, eps=cfg.advantage_eps)   # [B]
+      adv_mean, adv_abs_mean = jnp.mean(adv), jnp.mean(jnp.abs(adv))
     ref_logp = None
     if ref_params is not None:
       if ref_on_host:       # offloaded to host memory between updates: to the device for the pass
@@ -305,8 +348,8 @@ def make_update_fn(cfg: LearnerConfig, model_cfg: ModelConfig, optimizer: optax.
     metrics.update(
         learning_rate=current_learning_rate(opt_state).astype(jnp.float32),
         reward_mean=jnp.mean(rewards), reward_std=jnp.std(rewards),
-        advantage_mean=jnp.mean(adv), advantage_abs_mean=jnp.mean(jnp.abs(adv)),
-        kept_fraction=jnp.mean(weight))
+        advantage_mean=adv_mean, advantage_abs_mean=adv_abs_mean,
+        kept_fraction=jnp.mean(weight), **extra_metrics)
     new_state = TrainState(step=state.step + cfg.epochs * cfg.minibatches, params=params,
                            opt_state=opt_state, key=key)
     return new_state, metrics

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from jaxagent.envs.base import StepInfo, TokenBuffer
+from jaxagent.envs.base import StepInfo, TokenBuffer, state_fingerprint
 from jaxagent.models import decoder
 from jaxagent.models.config import ModelConfig
 from jaxagent.models import sampler
@@ -66,6 +66,7 @@ class _Records:
   turn_start: jax.Array     # [B, T] int32
   actions: jax.Array        # [B, T, A] int32 (A = the environment's max_action_len)
   actions_len: jax.Array    # [B, T] int32
+  state_id: jax.Array       # [B, T, 2] uint32 fingerprint of the state the turn acted in
 
 
 @struct.dataclass
@@ -162,9 +163,12 @@ def _act_forced(mcfg: ModelConfig, cfg: RolloutConfig, eot: int, pad: int, actio
   return c, TokenBuffer(tokens=act_tokens, length=n), active, jnp.ones((b,), bool)
 
 
-def _record_action(c: _Carry, action: TokenBuffer, active, start):
+def _record_action(c: _Carry, action: TokenBuffer, active, start, state_id):
+  """Records the turn's action, its prefix length and the fingerprint [B, 2] of the state it was
+  taken in (`jaxagent.envs.base.state_fingerprint`)."""
   r = c.rec
   return c.replace(rec=r.replace(
+      state_id=r.state_id.at[:, c.t].set(jnp.where(active[:, None], state_id, 0)),
       turn_start=r.turn_start.at[:, c.t].set(jnp.where(active, start, 0)),
       actions=r.actions.at[:, c.t].set(jnp.where(active[:, None], action.tokens, 0)),
       actions_len=r.actions_len.at[:, c.t].set(jnp.where(active, action.length, 0))))
@@ -218,7 +222,8 @@ def _start(mcfg: ModelConfig, cfg: RolloutConfig, pad: int, action_len: int, par
   zi = jnp.zeros((b, tm), jnp.int32)
   rec = _Records(acted=fb, valid_call=fb, error_kind=zi, oracle_match=fb,
                  reward=jnp.zeros((b, tm)), solved=fb, action_length=zi, turn_start=zi,
-                 actions=jnp.zeros((b, tm, action_len), jnp.int32), actions_len=zi)
+                 actions=jnp.zeros((b, tm, action_len), jnp.int32), actions_len=zi,
+                 state_id=jnp.zeros((b, tm, 2), jnp.uint32))
   return _Carry(t=jnp.int32(0), cache=cache, next_logits=logits, buf=buf, rec=rec,
                 done=jnp.zeros((b,), bool), status=jnp.zeros((b,), jnp.int32),
                 num_turns=jnp.zeros((b,), jnp.int32), budget=budget.astype(jnp.int32), key=key)
@@ -243,7 +248,7 @@ def _finish(cfg: RolloutConfig, pad: int, c: _Carry, task_id, group_id, optimal_
       acted=c.rec.acted, valid_call=c.rec.valid_call, error_kind=c.rec.error_kind,
       oracle_match=c.rec.oracle_match, reward=c.rec.reward, solved=c.rec.solved,
       action_length=c.rec.action_length, turn_start=c.rec.turn_start,
-      action_tokens=c.rec.actions, action_tokens_len=c.rec.actions_len,
+      action_tokens=c.rec.actions, action_tokens_len=c.rec.actions_len, state_id=c.rec.state_id,
       success_turn=jnp.where(jnp.any(c.rec.solved, axis=1), first, tm + 1).astype(jnp.int32),
       num_turns=c.num_turns, budget=c.budget, task_id=task_id.astype(jnp.int32),
       group_id=group_id.astype(jnp.int32), status=status.astype(jnp.int32),
@@ -298,7 +303,7 @@ def make_rollout_fn(mcfg: ModelConfig, env, cfg: RolloutConfig, forced_action=No
         c, action, active, stopped = _act_forced(mcfg, cfg, eot, pad, action_len, params,
                                                  c.replace(key=key), given, obs_len,
                                                  sc.temperature)
-      c = _record_action(c, action, active, start)
+      c = _record_action(c, action, active, start, jax.vmap(state_fingerprint)(state))
       new_state, obs, info = jax.vmap(env.step)(state, action)
       obs = obs.replace(tokens=obs.tokens[:, :obs_len])
       state = _where_tree(active, new_state, state)
@@ -344,11 +349,11 @@ class HostRollout:
     obs_len = self.obs_len = step_obs_len(env)
     self._start = jax.jit(functools.partial(_start, mcfg, cfg, pad, env.max_action_len))
 
-    def act(params, c, sc):
+    def act(params, c, sc, state_id):
       start = c.cache.length
       c, action, active, stopped = _act(mcfg, cfg, eot, pad, env.max_action_len, params, c, sc,
                                         obs_len)
-      return _record_action(c, action, active, start), action, active, stopped
+      return _record_action(c, action, active, start, state_id), action, active, stopped
 
     self._act = jax.jit(act)
     self._observe = jax.jit(functools.partial(_observe, mcfg, eot))
@@ -366,7 +371,8 @@ class HostRollout:
     for t in range(self.cfg.max_turns):
       if not bool(jnp.any(self._alive(c))):
         break
-      c, action, active, stopped = self._act(params, c, sc)
+      sid = jnp.asarray(self._state_id(state, t, b))
+      c, action, active, stopped = self._act(params, c, sc, sid)
       # Rows that are not active never act again, so stepping them too is harmless (their
       # records are masked by `active`).
       state, obs, info = self.env.step(state, jax.tree.map(np.asarray, action))
@@ -375,6 +381,16 @@ class HostRollout:
       obs = obs.replace(tokens=np.asarray(obs.tokens)[:, :self.obs_len])
       c = self._observe(params, c, _device(obs), _device(info), active, stopped)
     return self._finish(c, task_id, group_id, jnp.asarray(optimal))
+
+  def _state_id(self, state, t: int, b: int) -> np.ndarray:
+    """[B, 2] uint32: the host environment's `state_fingerprint(state)` when it has one; else an
+    id unique to each (row, turn), so no two steps share an anchor state (step-level credit
+    then reduces to the per-turn baseline)."""
+    fp = getattr(self.env, "state_fingerprint", None)
+    if fp is not None:
+      return np.asarray(fp(state), np.uint32)
+    return np.stack([np.arange(b, dtype=np.uint32) * np.uint32(self.cfg.max_turns) + np.uint32(t),
+                     np.full((b,), 0xFFFFFFFF, np.uint32)], axis=1)
 
 
 def _device(tree):

@@ -46,6 +46,8 @@ class Trajectory:
   turn_start: jax.Array          # int32 transcript length before the turn's action (its prefix)
   action_tokens: jax.Array       # [B, T_max, A] int32 the action the environment received
   action_tokens_len: jax.Array   # int32 its length (no end-of-turn token)
+  state_id: jax.Array            # [B, T_max, 2] uint32 fingerprint of the state the turn acted in
+                                 # (`envs.base.state_fingerprint`; 0 where the row did not act)
   # Episode level, [B].
   success_turn: jax.Array        # int32 first solving turn (1-based), or T_max + 1
   num_turns: jax.Array           # int32 turns taken

@@ -11,7 +11,8 @@ from jaxagent.rollout.trajectory import Status, Trajectory
 
 
 def build_trajectory(*, tokens, length, loss_mask, acted, valid_call, solved, num_turns,
-                     group_id, behaviour_logprobs=None) -> Trajectory:
+                     group_id, behaviour_logprobs=None, turn_of_token=None, oracle_match=None,
+                     error_kind=None, state_id=None) -> Trajectory:
   """A Trajectory from numpy arrays; every field gets a value consistent with the given ones."""
   tokens = np.asarray(tokens, np.int32)
   b, l = tokens.shape
@@ -28,12 +29,15 @@ def build_trajectory(*, tokens, length, loss_mask, acted, valid_call, solved, nu
       loss_mask=jnp.asarray(np.asarray(loss_mask, np.float32)),
       behaviour_logprobs=jnp.asarray(np.zeros((b, l), np.float32) if behaviour_logprobs is None
                                      else np.asarray(behaviour_logprobs, np.float32)),
-      turn_of_token=jnp.asarray(np.full((b, l), -1, np.int32)),
+      turn_of_token=jnp.asarray(np.full((b, l), -1, np.int32) if turn_of_token is None
+                                else np.asarray(turn_of_token, np.int32)),
       length=jnp.asarray(length),
       acted=jnp.asarray(acted),
       valid_call=jnp.asarray(np.asarray(valid_call, bool)),
-      error_kind=jnp.asarray(np.where(np.asarray(valid_call, bool), 0, 1).astype(np.int32)),
-      oracle_match=jnp.asarray(np.zeros((b, t), bool)),
+      error_kind=jnp.asarray(np.where(np.asarray(valid_call, bool), 0, 1).astype(np.int32)
+                             if error_kind is None else np.asarray(error_kind, np.int32)),
+      oracle_match=jnp.asarray(np.zeros((b, t), bool) if oracle_match is None
+                               else np.asarray(oracle_match, bool)),
       reward=jnp.asarray(solved.astype(np.float32)),
       solved=jnp.asarray(solved),
       action_length=jnp.asarray(np.where(acted, 3, 0).astype(np.int32)),
@@ -47,6 +51,8 @@ def build_trajectory(*, tokens, length, loss_mask, acted, valid_call, solved, nu
       turn_start=jnp.asarray(np.zeros((b, t), np.int32)),
       action_tokens=jnp.asarray(np.zeros((b, t, 4), np.int32)),
       action_tokens_len=jnp.asarray(np.where(acted, 3, 0).astype(np.int32)),
+      state_id=jnp.asarray(np.zeros((b, t, 2), np.uint32) if state_id is None
+                           else np.asarray(state_id, np.uint32)),
   )
   # The Trajectory grows fields over time; give the ones it has (the constructor rejects a
   # missing one, so this never silently leaves a field out).

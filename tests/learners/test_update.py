@@ -205,7 +205,7 @@ def test_config_from_dict_and_config_dict():
 
 @pytest.mark.parametrize("bad, message", [
     ({"advantages": "grpo"}, r"unknown keys \['advantages'\]; valid keys: .*advantage"),
-    ({"advantage": "gae"}, r"unknown advantage 'gae'; valid: grpo, reinforce, rloo"),
+    ({"advantage": "gae"}, r"unknown advantage 'gae'; valid: gigpo, grpo, per_turn, reinforce, rloo"),
     ({"loss": "ppo"}, r"unknown loss 'ppo'; valid: ppo_clip, reinforce"),
     ({"kl_estimator": "k2"}, r"unknown kl_estimator 'k2'; valid: k1, k3"),
     ({"aggregation": "episode"}, r"unknown aggregation 'episode'; valid: sequence, token"),
