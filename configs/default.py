@@ -128,6 +128,11 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # Fewer seeds per arm, or a statistic resting on fewer tasks, reads "inconclusive".
   c.study.min_seeds = 2
   c.study.min_tasks = 10
+  # More arms, each trained like the generous fixed-T arm (same seeds and tasks) but with other
+  # learner settings, e.g. turn-level credit (jaxagent.learners.credit):
+  # "gigpo:advantage=gigpo;process:process_valid_call=0.1,process_error=0.2" ("" = none). The
+  # comparison reports each one's claims and its difference from the standard arm.
+  c.study.credit_arms = ""
 
   # Divergence guard (beside the NaN guard): stop a run that cannot be learning after this many
   # consecutive steps of it: gradients exactly zero (SFT; RL while the advantages are not all

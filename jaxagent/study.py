@@ -1,5 +1,7 @@
 """The study of docs/STUDY.md, end to end: datasets -> SFT base -> three RL arms (fixed-T at a
-tight and at a generous budget, BudgetMix), each trained with `config.study.seeds` seeds ->
+tight and at a generous budget, BudgetMix; optionally more arms at the generous budget with other
+learner settings, `config.study.credit_arms`, e.g. turn-level credit), each trained with
+`config.study.seeds` seeds ->
 evaluation of every run on the same fixed test tasks -> the comparison report with the claims
 decided (markdown, JSON, PNG plots).
 
@@ -68,6 +70,13 @@ def run_configs(config, workdir) -> dict[str, tuple[object, pathlib.Path]]:
         c.rl.budget = budget
         c.model.init_from = str(workdir / bases[u % len(bases)])
       runs[f"{arm}_s{u}"] = (c, workdir / f"{arm}_s{u}")
+  for arm, overrides in st.credit_overrides().items():
+    for u in range(st.seeds):
+      c, _ = runs[f"fixed_generous_s{u}"]
+      c = copy.deepcopy(c)
+      with c.unlocked():
+        c.rl.learner.update(overrides)
+      runs[f"{arm}_s{u}"] = (c, workdir / f"{arm}_s{u}")
   return runs
 
 
@@ -93,7 +102,8 @@ def run(config, workdir) -> dict:
   runs = run_configs(config, workdir)
   for c, _ in runs.values():
     sections.validate(c)
-  logging.info("study: %d bases, %d arms x %d seeds", st.base_seeds, len(ARMS), st.seeds)
+  logging.info("study: %d bases, %d arms x %d seeds", st.base_seeds,
+               len(ARMS) + len(st.credit_overrides()), st.seeds)
   (workdir / "study_config.json").write_text(config.to_json_best_effort(indent=2))
   timings = {}
   # One set of compiled functions for every run: they share the model config and environment.

@@ -9,6 +9,7 @@ import pytest
 from configs.default import get_config
 from jaxagent import study
 from jaxagent.eval import evidence
+from jaxagent.runs import config as sections
 from jaxagent.runs.config import ConfigError
 
 
@@ -16,12 +17,15 @@ from jaxagent.runs.config import ConfigError
 def test_study_smoke_end_to_end(tmp_path):
   config = get_config("smoke")
   config.num_devices = 1
+  # One turn-level credit arm rides along (trained with gigpo through the real rollout's state
+  # fingerprints, reported against the standard arm).
+  config.study.credit_arms = "gigpo:advantage=gigpo"
   summary = study.run(config, tmp_path)
   report = tmp_path / "report"
   for name in ("comparison.md", "comparison.json"):
     assert (report / name).stat().st_size > 0
   assert list(report.glob("*.png"))
-  labels = ["base"] + [f"{arm}_s{u}" for arm in study.ARMS for u in (0, 1)]
+  labels = ["base"] + [f"{arm}_s{u}" for arm in study.ARMS + ("gigpo",) for u in (0, 1)]
   for label in labels:
     run = tmp_path / label
     assert (run / "DONE").exists() and (run / "metrics.jsonl").exists()
@@ -46,6 +50,17 @@ def test_study_smoke_end_to_end(tmp_path):
   for claim in comp["claims"].values():
     assert claim["verdict"] in (evidence.HELD, evidence.NOT_HELD, evidence.INCONCLUSIVE)
   assert comp["claims"]["3"]["decided_on"] == "budgetmix"
+  assert comp["claims"]["1"]["decided_on"] == "fixed_generous"
+  assert comp["runs"]["gigpo_s1"]["kind"] == "credit"
+  assert comp["runs"]["gigpo_s1"]["credit"] == "gigpo(gamma=1, step_weight=1)"
+  assert comp["credit"]["gigpo"]["against"] == "fixed_generous"
+  assert comp["credit"]["gigpo"]["verdict"] in (evidence.HELD, evidence.NOT_HELD,
+                                                evidence.INCONCLUSIVE)
+  assert "## Turn-level credit against the standard arm" in (report / "comparison.md").read_text()
+  metrics = [json.loads(x) for x in
+             (tmp_path / "gigpo_s0" / "metrics.jsonl").read_text().splitlines()]
+  metrics = [m for m in metrics if m["phase"] == "rl"]
+  assert metrics and all("anchor_group_size" in m for m in metrics)
   assert comp["rules"]["margins"]["min_seeds"] == 2
   assert set(summary["claims"]) == set(comp["claims"])
   # Restarting the finished study redoes nothing but the comparison.
@@ -71,3 +86,23 @@ def test_run_configs_pair_seeds_with_bases(tmp_path):
       str(tmp_path / "base_s0"), str(tmp_path / "base_s1"), str(tmp_path / "base_s0")]
   assert [runs[f"fixed_tight_s{u}"][0].seed for u in range(3)] == [0, 1, 2]
   assert runs["base_s1"][0].seed == 1 and runs["base_s1"][0].rl.steps == 0
+
+
+def test_credit_arms_train_like_the_generous_arm_with_their_learner_settings(tmp_path):
+  config = get_config("smoke")
+  config.study.credit_arms = "gigpo:advantage=gigpo,step_weight=0.5; proc:process_error=0.2"
+  runs = study.run_configs(config, tmp_path)
+  assert [lab for lab in runs if lab.startswith(("gigpo", "proc"))] == [
+      "gigpo_s0", "gigpo_s1", "proc_s0", "proc_s1"]
+  for u in range(2):
+    gen, g, p = (runs[f"{a}_s{u}"][0] for a in ("fixed_generous", "gigpo", "proc"))
+    assert g.rl.budget == p.rl.budget == gen.rl.budget == config.study.generous_budget
+    assert g.seed == p.seed == gen.seed and g.model.init_from == gen.model.init_from
+    assert (g.rl.learner.advantage, g.rl.learner.step_weight) == ("gigpo", 0.5)
+    assert p.rl.learner.process_error == 0.2 and p.rl.learner.advantage == "grpo"
+    assert gen.rl.learner.advantage == "grpo" and gen.rl.learner.process_error == 0.0
+  for bad, message in (("gigpo", "name:key=value"), ("x:nope=1", "learner key"),
+                       ("x:gamma=high", "not a float"), ("budgetmix:gamma=0.5", "new arm name")):
+    config.study.credit_arms = bad
+    with pytest.raises(sections.ConfigError, match=message):
+      sections.study_config(config)

@@ -34,6 +34,7 @@ import numpy as np
 from absl import logging
 
 from jaxagent.eval import plots, report
+from jaxagent.learners import credit
 from jaxagent.eval.evaluator import TRAJ_FIELDS, Evaluator, trajectory_summary
 from jaxagent.rollout.budget import Budget
 from jaxagent.runs import config as sections
@@ -64,10 +65,11 @@ def _base_params(ev: Evaluator, config, workdir, phase: str):
 
 def _train_config(workdir, config) -> dict:
   """The training run's budget settings: <workdir>/config.json when training wrote one (else
-  this config's), with the budget's arm (`Budget.arm`: fixed, mix or schedule)."""
+  this config's), with the budget's arm (`Budget.arm`: fixed, mix or schedule) and its credit
+  assignment (`learners.credit.describe`: "" for episode-level)."""
   rl = config.rl
   found = {"budget": rl.budget, "budget_per": rl.budget_per, "steps": rl.steps,
-           "budget_visible": rl.budget_visible}
+           "budget_visible": rl.budget_visible, "learner": dict(rl.learner.items())}
   seed = config.seed
   path = pathlib.Path(workdir) / "config.json"
   if path.exists():
@@ -80,6 +82,7 @@ def _train_config(workdir, config) -> dict:
     seed = whole.get("seed", seed)
   found["seed"] = seed
   found["arm"] = Budget.parse(found["budget"], per=found["budget_per"]).arm
+  found["credit"] = credit.describe(found.pop("learner"))
   return found
 
 
@@ -175,6 +178,7 @@ def _evaluate_checkpoint(config, workdir, step: int | None = None, *,
               "difficulty": dict(config.env.difficulty), "train_budget": train["budget"],
               "train_budget_per": train["budget_per"], "train_arm": train["arm"],
               "train_budget_visible": train["budget_visible"], "rl_steps": train["steps"],
+              "train_credit": train["credit"],
               "seed": train["seed"], "base": base_desc},
       "eval": {"mode": e.mode, "budgets": ev.budgets, "max_turns": ev.max_turns,
                "budget_visible": ev.budget_visible, "num_samples": n,

@@ -97,7 +97,9 @@ class StudyData:
 
   arms: arm -> run labels by seed (every arm the same number S of seeds).
   bases: the base runs' labels by base seed (RL seed u starts from bases[u % len(bases)]).
-  kinds: arm -> "fixed", "mix" or "schedule" (`Budget.arm`); turns: arm -> its training T_max.
+  kinds: arm -> "fixed", "mix" or "schedule" (`Budget.arm`), or "credit" (trained with turn-level
+    credit or process rewards: reported beside the standard arm, never taken for a fixed-T arm);
+    turns: arm -> its training T_max.
   t_values, t_tight [tasks], t_gen: the evaluated budgets and claim 1's budgets.
   pass1: label -> per-task Pass@(1,T) [tasks, len(t_values)].
   step, step_task, step_after_error: label -> valid next call [N] (sampled) on the common
@@ -139,6 +141,9 @@ class StudyData:
 
   def mix_arms(self) -> list[str]:
     return [a for a in self.arms if self.kinds[a] == "mix"]
+
+  def credit_arms(self) -> list[str]:
+    return [a for a in self.arms if self.kinds[a] == "credit"]
 
 
 BASE = "<base>"   # the arm name `_Stats` reads as "each seed's base run"
@@ -308,6 +313,37 @@ def claim5(st: _Stats, arm: str, rules: Rules) -> dict:
               rate_rl_action=st.recovery(arm, act), rate_base_action=st.recovery(BASE, act))
   out["details"]["by_error_kind"] = by_kind
   return out
+
+
+CREDIT_RULE = ("Each turn-level credit arm c against the standard RL arm s (same seeds, paired): "
+               "held iff rec_c - rec_s > {e:g} is shown, rec = controlled recovery (valid next "
+               "call, sampled) on the error states that need a different action; Pass@(1,T) at "
+               "T_tight and T_gen and step quality (no-error states) are reported as c - s.")
+
+
+def credit_vs_standard(st: _Stats, arm: str, standard: str, rules: Rules) -> dict:
+  """Does turn-level credit (arm) recover from action errors more often than the standard arm?"""
+  cls = recovery.error_class(st.d.rec_kind)
+  act = cls == recovery.ACTION
+  d_rec = st.recovery(arm, act) - st.recovery(standard, act)
+  e = rules.effect
+  return _with(rules, st.s, [Condition(f"rec_{arm} - rec_{standard} > {e:g}", d_rec, e)],
+               d_rec_action=d_rec,
+               d_rec_format=(st.recovery(arm, cls == recovery.FORMAT)
+                             - st.recovery(standard, cls == recovery.FORMAT)),
+               d_step=st.step(arm) - st.step(standard),
+               d_pass_tight=st.pass1(arm, st.d.t_tight) - st.pass1(standard, st.d.t_tight),
+               d_pass_generous=st.pass1(arm, st.d.t_gen) - st.pass1(standard, st.d.t_gen))
+
+
+def decide_credit(data: StudyData, rules: Rules, *, num_bootstrap: int, seed: int) -> dict:
+  """{credit arm: decision} of `credit_vs_standard` ({} without credit arms or standard arm)."""
+  standard = data.standard_arm()
+  if standard is None or not data.credit_arms():
+    return {}
+  st = _Stats(data, num_bootstrap, seed)
+  return {a: {"rule": CREDIT_RULE.format(e=rules.effect), "against": standard,
+              **credit_vs_standard(st, a, standard, rules)} for a in data.credit_arms()}
 
 
 def decide_claims(data: StudyData, rules: Rules, *, num_bootstrap: int, seed: int) -> dict:

@@ -160,7 +160,10 @@ def compare(runs: dict[str, str], out_dir, config, base: str = "base", *,
                                       ev.abstract)
             for lab, (rep, _) in evals.items()}
   trajs = {lab: _traj_from(eps) for lab, (_, eps) in evals.items()}
-  arm_kind = {arm: Budget.parse(str(evals[labs[0]][0]["run"]["train_budget"])).arm
+  # An arm trained with turn-level credit or process rewards is its own kind: it is reported
+  # beside the standard arm, never taken for it (or for a fixed-T arm of claim 3).
+  arm_kind = {arm: ("credit" if evals[labs[0]][0]["run"].get("train_credit")
+                    else Budget.parse(str(evals[labs[0]][0]["run"]["train_budget"])).arm)
               for arm, labs in arms.items()}
   arm_turns = {arm: Budget.parse(str(evals[labs[0]][0]["run"]["train_budget"])).max_turns
                for arm, labs in arms.items()}
@@ -197,6 +200,7 @@ def compare(runs: dict[str, str], out_dir, config, base: str = "base", *,
       loglik=loglik,
       traj_task={lab: np.asarray(t.task_id)[rows[lab]] for lab, t in trajs.items()})
   decided = claims_lib.decide_claims(data, rules, num_bootstrap=e.num_bootstrap, seed=e.seed)
+  credit = claims_lib.decide_credit(data, rules, num_bootstrap=e.num_bootstrap, seed=e.seed)
 
   # The likelihood matrix shown: the bases and seed 0 of every arm.
   shown = bases + [labs[0] for labs in arms.values()]
@@ -219,6 +223,7 @@ def compare(runs: dict[str, str], out_dir, config, base: str = "base", *,
                      "config_seed": rep["run"].get("seed"), "phase": rep["run"]["phase"],
                      "step": rep["run"]["step"], "train_budget": rep["run"]["train_budget"],
                      "rl_steps": rep["run"]["rl_steps"],
+                     "credit": rep["run"].get("train_credit", ""),
                      "kind": "base" if lab in bases else arm_kind[labels[lab][0]]}
                for lab, (rep, _) in evals.items()},
       "bases": bases,
@@ -228,6 +233,7 @@ def compare(runs: dict[str, str], out_dir, config, base: str = "base", *,
                                             "num_tasks", "temperature")},
       "curve_ks": ks,
       "claims": {str(k): v for k, v in decided.items()},
+      "credit": credit,
       "pass_at_kt": {lab: rep["pass_at_kt"] for lab, (rep, _) in evals.items()},
       "reference_states": analyses.report["reference_states"],
       "step_quality": {lab: analyses.report["step_quality"][lab] for lab in runs},

@@ -259,6 +259,12 @@ def comparison_markdown(comp: dict) -> str:
   out += [f"Claim 1's budgets: T_tight = {fmt_budget(comp['budgets']['T_tight'])}, T_gen = "
           f"{comp['budgets']['T_gen']}.", ""]
   out += ["## Verdicts", ""] + verdicts_md(comp["claims"])
+  if comp.get("credit"):
+    out += ["## Turn-level credit against the standard arm", ""]
+    for arm, d in comp["credit"].items():
+      credit = next((r["credit"] for r in comp["runs"].values() if r["arm"] == arm), "")
+      out += [f"### `{arm}` ({credit}) vs `{d['against']}`: **{d['verdict']}**", "", d["rule"], ""]
+      out += conditions_md(d["conditions"]) + _details_md(0, d["details"])
   out += ["## Claims", ""]
   for num, c in comp["claims"].items():
     out += [f"### Claim {num}: **{c['verdict']}** (decided on `{c.get('decided_on')}`)", "",

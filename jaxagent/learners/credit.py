@@ -40,6 +40,22 @@ import jax.numpy as jnp
 from jaxagent.rollout.trajectory import Trajectory
 
 
+def describe(learner) -> str:
+  """"" for episode-level credit without process rewards (the study's fixed-T and BudgetMix
+  arms), else what the learner settings (a mapping of LearnerConfig keys) add, e.g.
+  "gigpo(step_weight=1, gamma=1) + process(valid_call=0.1)"."""
+  get = lambda k, d: learner.get(k, d) if hasattr(learner, "get") else getattr(learner, k, d)
+  parts = []
+  name = get("advantage", "grpo")
+  if name in TURN_ADVANTAGE_ESTIMATORS:
+    knobs = ["gamma"] + (["step_weight"] if name == "gigpo" else [])
+    parts.append(f"{name}(" + ", ".join(f"{k}={get(k, 1.0):g}" for k in knobs) + ")")
+  proc = {k: get(f"process_{k}", 0.0) for k in ("valid_call", "oracle_match", "error")}
+  if any(proc.values()):
+    parts.append("process(" + ", ".join(f"{k}={v:g}" for k, v in proc.items() if v) + ")")
+  return " + ".join(parts)
+
+
 def turn_rewards(traj: Trajectory, *, success_reward: float, invalid_call_penalty: float,
                  turn_cost: float, process_valid_call: float = 0.0,
                  process_oracle_match: float = 0.0, process_error: float = 0.0) -> jax.Array:

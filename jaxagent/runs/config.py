@@ -465,8 +465,12 @@ class StudyConfig:
   margin_loglik_nats: float      # claim 4's margin over the seed-to-seed null
   min_seeds: int                 # fewer seeds per arm: every claim inconclusive
   min_tasks: int                 # a statistic resting on fewer tasks: inconclusive
+  # More arms at the generous budget with other learner settings (turn-level credit):
+  # "name:key=value,key=value;name2:..." over config.rl.learner ("" = none).
+  credit_arms: str
 
   def __post_init__(self):
+    self.credit_overrides()          # raises naming the fix
     for key in ("tight_budget", "generous_budget", "mix_budget"):
       try:
         Budget.parse(getattr(self, key))
@@ -478,6 +482,33 @@ class StudyConfig:
     for key in ("margin_effect", "margin_non_inferiority", "margin_loglik_nats"):
       _require(getattr(self, key) >= 0, f"config.study.{key} must be >= 0, got "
                f"{getattr(self, key)}")
+
+  def credit_overrides(self) -> dict[str, dict]:
+    """{arm name: {learner key: value}} of `credit_arms`; values typed as LearnerConfig's fields
+    (checked with the rest of the learner config when the arm's run is validated)."""
+    fields = {f.name: type(f.default) for f in dataclasses.fields(LearnerConfig)}
+    out: dict[str, dict] = {}
+    for part in filter(None, (p.strip() for p in self.credit_arms.split(";"))):
+      name, sep, body = part.partition(":")
+      name = name.strip()
+      _require(sep and name.isidentifier() and not name.startswith("base")
+               and name not in ("fixed_tight", "fixed_generous", "budgetmix") and name not in out,
+               f"config.study.credit_arms: {part!r} must be 'name:key=value,...' with a new arm "
+               "name (an identifier, not base*, fixed_tight, fixed_generous or budgetmix)")
+      overrides = {}
+      for item in filter(None, (x.strip() for x in body.split(","))):
+        key, eq, value = (x.strip() for x in item.partition("="))
+        _require(eq and key in fields, f"config.study.credit_arms: {item!r} in arm {name!r} must "
+                 f"be key=value with a learner key ({', '.join(sorted(fields))})")
+        kind = fields[key]
+        try:
+          overrides[key] = (value.lower() in ("1", "true") if kind is bool else kind(value))
+        except ValueError:
+          raise ConfigError(f"config.study.credit_arms: {key}={value!r} in arm {name!r} is not "
+                            f"a {kind.__name__}") from None
+      _require(overrides, f"config.study.credit_arms: arm {name!r} changes nothing")
+      out[name] = overrides
+    return out
 
 
 @dataclasses.dataclass(frozen=True)

@@ -16,7 +16,7 @@ T_VALUES = [1, 2, 3, 4]
 
 
 def make(*, tasks=80, seeds=3, pass_gain=None, step=None, rec=None, ll_gap=None, noise=0.1,
-         seed=0) -> claims.StudyData:
+         seed=0, arm_kinds=ARMS) -> claims.StudyData:
   """Synthetic results. pass_gain[arm]: Pass@1 gain over the base per T [4]; step[arm]: valid
   rate on states that follow no error; rec[arm]: (action, format) recovery rates; ll_gap[arm]:
   (log p_arm - log p_base, log p_arm - log p_other seed) of the arm's trajectories, in nats.
@@ -25,7 +25,7 @@ def make(*, tasks=80, seeds=3, pass_gain=None, step=None, rec=None, ll_gap=None,
   pass_gain = pass_gain or {}
   step, rec, ll_gap = step or {}, rec or {}, ll_gap or {}
   base_pass = np.array([0.1, 0.3, 0.5, 0.6])
-  arms = {a: [f"{a}_s{u}" for u in range(seeds)] for a in ARMS}
+  arms = {a: [f"{a}_s{u}" for u in range(seeds)] for a in arm_kinds}
   labels = ["base"] + [lab for labs in arms.values() for lab in labs]
 
   def arm_of(lab):
@@ -71,8 +71,8 @@ def make(*, tasks=80, seeds=3, pass_gain=None, step=None, rec=None, ll_gap=None,
 
   t_tight = np.full(tasks, 2)
   return claims.StudyData(
-      arms=arms, bases=["base"], kinds={a: k for a, (k, _) in ARMS.items()},
-      turns={a: t for a, (_, t) in ARMS.items()}, num_tasks=tasks, t_values=T_VALUES,
+      arms=arms, bases=["base"], kinds={a: k for a, (k, _) in arm_kinds.items()},
+      turns={a: t for a, (_, t) in arm_kinds.items()}, num_tasks=tasks, t_values=T_VALUES,
       t_tight=t_tight, t_gen=4, pass1=pass1, step=step_out, step_task=step_task,
       step_after_error=after, rec=rec_out, rec_task=rec_task, rec_kind=rec_kind, loglik=memo,
       traj_task=traj_task)
@@ -200,3 +200,33 @@ def test_unpaired_seeds_are_refused():
   d.arms["budgetmix"] = d.arms["budgetmix"][:1]
   with pytest.raises(ValueError, match="same number of seeds"):
     claims.decide_claims(d, RULES, num_bootstrap=10, seed=0)
+
+
+WITH_CREDIT = {**ARMS, "gigpo": ("credit", 8)}
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_credit_arm_against_the_standard_arm(seed):
+  """A credit arm is reported beside the standard arm, never taken for it (even with a larger
+  training T) nor compared as a fixed-T arm in claim 3; its own rule: held when it recovers
+  from action errors more often than the standard arm, inconclusive on too little data, not
+  held when it recovers less."""
+  real = make(rec={"fixed_generous": (0.4, 0.5), "gigpo": (0.6, 0.5)}, seed=seed,
+              arm_kinds=WITH_CREDIT)
+  assert real.standard_arm() == "fixed_generous" and real.credit_arms() == ["gigpo"]
+  out = claims.decide_claims(real, RULES, num_bootstrap=300, seed=0)
+  assert out[1]["decided_on"] == "fixed_generous" and "gigpo" in out[5]["per_arm"]
+  c3 = out[3]["per_arm"]["budgetmix"]["conditions"]
+  assert not any("gigpo" in c["condition"] for c in c3)
+  credit = claims.decide_credit(real, RULES, num_bootstrap=500, seed=0)
+  assert set(credit) == {"gigpo"} and credit["gigpo"]["against"] == "fixed_generous"
+  assert credit["gigpo"]["verdict"] == HELD
+  assert credit["gigpo"]["details"]["d_rec_action"]["est"] == pytest.approx(0.2, abs=0.06)
+  small = make(tasks=12, seeds=2, rec={"gigpo": (0.32, 0.5)}, seed=seed, arm_kinds=WITH_CREDIT)
+  assert claims.decide_credit(small, RULES, num_bootstrap=500, seed=0)["gigpo"]["verdict"] == (
+      INCONCLUSIVE)
+  worse = make(rec={"fixed_generous": (0.6, 0.5), "gigpo": (0.4, 0.5)}, seed=seed,
+               arm_kinds=WITH_CREDIT)
+  assert claims.decide_credit(worse, RULES, num_bootstrap=500, seed=0)["gigpo"]["verdict"] == (
+      NOT_HELD)
+  assert claims.decide_credit(make(seed=seed), RULES, num_bootstrap=100, seed=0) == {}
