@@ -7,6 +7,8 @@ VENV := .venv
 BIN := $(VENV)/bin
 VARIANT ?= default
 WORKDIR ?= workdirs/$(VARIANT)
+# More flags for the study, e.g. ARGS=--config.seed=1 (another master seed).
+ARGS ?=
 
 .PHONY: run test test-fast clean
 
@@ -28,7 +30,7 @@ $(VENV)/.test: $(VENV)/.base
 # The study on the built-in default: SFT base, fixed-T RL (tight, generous), BudgetMix RL,
 # evaluation of all four and the comparison report in $(WORKDIR)/report.
 run: $(VENV)/.base
-	$(BIN)/python -m launch.study --config=configs/default.py:$(VARIANT) --workdir=$(WORKDIR)
+	$(BIN)/python -m launch.study --config=configs/default.py:$(VARIANT) --workdir=$(WORKDIR) $(ARGS)
 
 test: $(VENV)/.test
 	$(BIN)/python -m pytest -n 2 -q -p no:cacheprovider tests
