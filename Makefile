@@ -32,11 +32,11 @@ $(VENV)/.test: $(VENV)/.base
 run: $(VENV)/.base
 	$(BIN)/python -m launch.study --config=configs/default.py:$(VARIANT) --workdir=$(WORKDIR) $(ARGS)
 
-# A test whose worker process dies in native code ("Fatal Python error: Aborted", cause not found;
-# seen twice on 2026-12-05, in CI and in a local fresh-clone run, each time in another test that
-# passed when run again) is run once more on a fresh worker; only such crashes are rerun (--only-rerun matches
-# xdist's "worker ... crashed"), a failing assertion fails at once, and reruns show as "R" and
-# in the summary ("N rerun").
+# A test whose worker process dies in native code ("Fatal Python error: Aborted", cause not
+# found; seen twice on 2026-12-05, in CI and in a local fresh-clone run, each time in another test
+# that passed when run again) is run once more on a fresh worker. Only such crashes are rerun
+# (--only-rerun matches xdist's "worker ... crashed"): a failing assertion fails at once. Reruns
+# show as "R" and in the summary ("N rerun").
 PYTEST := $(BIN)/python -m pytest -n 2 -q -p no:cacheprovider --reruns 1 --only-rerun crashed
 
 test: $(VENV)/.test
