@@ -17,6 +17,8 @@ Same process, same model, same tasks, same budgets for every method:
   * update: the RL update (PPO-clip, GRPO, KL to a reference, as the default config) on the jax
             rollout's trajectories: real tokens/s, and model FLOP utilisation (analytic FLOPs of
             the forward and backward passes and the reference pass, over the measured peak);
+  * credit: the same update with turn-level credit (gigpo: state grouping; per_turn) against
+            GRPO on the same trajectories, interleaved: the overhead of turn-level credit;
   * big:    decode and update of a ~100M-parameter model with random weights (12 layers, width
             768) on a smaller batch;
   * scaling: jitted-rollout episodes/s as the batch, the turns per episode and the tokens per
@@ -221,13 +223,14 @@ def decode_only(policy, env, tasks, group: int, traj, repeats: int) -> dict:
           "bound_bytes": float(bound_bytes)}
 
 
-def update_step(policy, traj, repeats: int) -> dict:
-  """The default config's RL update on `traj`: seconds, real tokens/s, model FLOP/s (
-  `with_limits` adds the utilisation). Log-probs are recomputed at the rollout temperature, as
-  the trainer does."""
+def _update_runner(policy, traj, advantage: str | None = None):
+  """(run, learner config, trimmed traj, reference): one call of the default config's RL update
+  on `traj` (advantage: another registered estimator than the config's)."""
   config = get_config("default")
-  lcfg = LearnerConfig.from_config({**config.rl.learner.to_dict(),
-                                    "temperature": float(config.rl.temperature)})
+  learner = config.rl.learner.to_dict()
+  if advantage:
+    learner["advantage"] = advantage
+  lcfg = LearnerConfig.from_config({**learner, "temperature": float(config.rl.temperature)})
   if traj.batch_size % lcfg.minibatches:
     lcfg = dataclasses.replace(lcfg, minibatches=1)
   optimizer = lcfg.make_optimizer(total_steps=1000)
@@ -240,6 +243,14 @@ def update_step(policy, traj, repeats: int) -> dict:
     state[0], metrics = update(state[0], traj, ref)
     return jax.block_until_ready(metrics)
 
+  return run, lcfg, traj, ref
+
+
+def update_step(policy, traj, repeats: int) -> dict:
+  """The default config's RL update on `traj`: seconds, real tokens/s, model FLOP/s (
+  `with_limits` adds the utilisation). Log-probs are recomputed at the rollout temperature, as
+  the trainer does."""
+  run, lcfg, traj, ref = _update_runner(policy, traj)
   secs, _ = _timed(run, repeats)
   lengths = np.asarray(traj.length)
   counts = param_counts(policy.config, policy.params)
@@ -249,6 +260,31 @@ def update_step(policy, traj, repeats: int) -> dict:
           "tokens_per_s": float(lengths.sum()) / secs, "model_flops": flops,
           "model_flops_per_s": flops / secs,
           "params": counts["total"]}
+
+
+def credit_overhead(policy, traj, repeats: int, estimators=("gigpo", "per_turn")) -> dict:
+  """The update with turn-level credit against the default (GRPO) on the same trajectories:
+  per estimator its median seconds and overhead = seconds / GRPO's - 1. The updates run
+  interleaved (GRPO, then each estimator, `repeats` rounds after one untimed round), so a drift
+  of the machine hits all alike. gigpo's cost over GRPO is the state grouping (a sort of the
+  batch's steps by task group and state fingerprint) and the per-turn token advantages."""
+  names = ("grpo",) + tuple(estimators)
+  runs = {n: _update_runner(policy, traj, n)[0] for n in names}
+  for run in runs.values():
+    run()
+  times = {n: [] for n in names}
+  for _ in range(max(1, repeats)):
+    for n, run in runs.items():
+      t0 = time.perf_counter()
+      run()
+      times[n].append(time.perf_counter() - t0)
+  med = {n: statistics.median(t) for n, t in times.items()}
+  metrics = runs["gigpo"]() if "gigpo" in runs else {}
+  out = {n: {"seconds": med[n], "overhead": med[n] / med["grpo"] - 1.0} for n in names}
+  if "anchor_group_size" in metrics:
+    out["gigpo"]["anchor_group_size"] = float(metrics["anchor_group_size"])
+  out["repeats"] = max(1, repeats)
+  return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -330,6 +366,14 @@ def markdown(res: dict) -> str:
             f"| jax rollout vs naive loop (episodes/s) | {speedup:.1f}x | >= 10x |",
             f"| jax rollout time / decode-only time | {r['jax']['seconds'] / d['seconds']:.2f} | "
             "<= 1.5 |"]
+  if res.get("credit"):
+    c = res["credit"]
+    lines.append(f"| update with state grouping (gigpo) vs GRPO | {100 * c['gigpo']['overhead']:+.1f}% "
+                 f"({c['gigpo']['seconds']:.3f} s vs {c['grpo']['seconds']:.3f} s, median of "
+                 f"{c['repeats']} interleaved) | <= 5% |")
+    if "per_turn" in c:
+      lines.append(f"| update with per-turn returns (per_turn) vs GRPO | "
+                   f"{100 * c['per_turn']['overhead']:+.1f}% | |")
   big_name = f"~{res['big']['size'].upper()} " if res.get("big") else ""
   for name, sec in (("", res), (big_name, res.get("big") or {})):
     if not sec:
@@ -389,7 +433,8 @@ def main(argv):
   res["rollout"] = rollouts
   res["decode"] = decode_only(policy, env, tasks, g, jax_traj, reps)
   res["update"] = update_step(policy, jax_traj, reps)
-  logging.info("decode %s; update %s", res["decode"], res["update"])
+  res["credit"] = credit_overhead(policy, jax_traj, max(reps, 5))
+  logging.info("decode %s; update %s; credit %s", res["decode"], res["update"], res["credit"])
   if _BIG.value:
     big = random_policy(policy, dtype=_BIG_DTYPE.value, **BIG[_BIG_SIZE.value])
     bg = 4

@@ -2,6 +2,7 @@
 limits to its results (the accounting itself is tests/planning/test_flops.py's)."""
 
 import dataclasses
+import types
 
 import jax
 import numpy as np
@@ -44,3 +45,29 @@ def test_with_limits_adds_mfu_and_bound():
   no_big = {**sec(), "big": None}
   benchmark.with_limits(no_big, peak=200.0, bandwidth=100.0)
   assert no_big["update"]["mfu"] == 0.25 and no_big["big"] is None
+
+
+def test_credit_overhead_interleaves_and_reports_ratios(monkeypatch):
+  # Fake updates on a fake clock: GRPO takes 10 ms, gigpo 11 ms (10% overhead), per_turn 10 ms
+  # except one slow outlier (the median ignores it); gigpo's metrics carry the anchor-group size.
+  clock = {"now": 0.0}
+  calls = []
+  cost = {"grpo": [0.010] * 5, "gigpo": [0.011] * 5, "per_turn": [0.010, 0.010, 0.5, 0.010, 0.010]}
+
+  def fake_runner(policy, traj, advantage=None):
+    def run():
+      calls.append(advantage)
+      clock["now"] += cost[advantage][sum(c == advantage for c in calls) - 1]
+      return {"anchor_group_size": np.float32(2.5)} if advantage == "gigpo" else {}
+    return run, None, traj, None
+
+  monkeypatch.setattr(benchmark, "_update_runner", fake_runner)
+  monkeypatch.setattr(benchmark, "time", types.SimpleNamespace(perf_counter=lambda: clock["now"]))
+  out = benchmark.credit_overhead(None, None, repeats=3)
+  # One untimed round, three interleaved timed rounds, then gigpo once more for its metrics.
+  assert calls == ["grpo", "gigpo", "per_turn"] * 4 + ["gigpo"]
+  assert out["repeats"] == 3 and out["grpo"]["overhead"] == 0.0
+  assert out["grpo"]["seconds"] == pytest.approx(0.010)
+  assert out["gigpo"]["overhead"] == pytest.approx(0.1)
+  assert out["per_turn"]["overhead"] == pytest.approx(0.0)
+  assert out["gigpo"]["anchor_group_size"] == 2.5
