@@ -272,17 +272,16 @@ def credit_overhead(policy, traj, repeats: int, estimators=("gigpo", "per_turn")
   runs = {n: _update_runner(policy, traj, n)[0] for n in names}
   for run in runs.values():
     run()
-  times = {n: [] for n in names}
+  times, metrics = {n: [] for n in names}, {}
   for _ in range(max(1, repeats)):
     for n, run in runs.items():
       t0 = time.perf_counter()
-      run()
+      metrics[n] = run()
       times[n].append(time.perf_counter() - t0)
   med = {n: statistics.median(t) for n, t in times.items()}
-  metrics = runs["gigpo"]() if "gigpo" in runs else {}
   out = {n: {"seconds": med[n], "overhead": med[n] / med["grpo"] - 1.0} for n in names}
-  if "anchor_group_size" in metrics:
-    out["gigpo"]["anchor_group_size"] = float(metrics["anchor_group_size"])
+  if "anchor_group_size" in metrics.get("gigpo", {}):
+    out["gigpo"]["anchor_group_size"] = float(metrics["gigpo"]["anchor_group_size"])
   out["repeats"] = max(1, repeats)
   return out
 
@@ -368,9 +367,9 @@ def markdown(res: dict) -> str:
             "<= 1.5 |"]
   if res.get("credit"):
     c = res["credit"]
-    lines.append(f"| update with state grouping (gigpo) vs GRPO | {100 * c['gigpo']['overhead']:+.1f}% "
-                 f"({c['gigpo']['seconds']:.3f} s vs {c['grpo']['seconds']:.3f} s, median of "
-                 f"{c['repeats']} interleaved) | <= 5% |")
+    lines.append(f"| update with state grouping (gigpo) vs GRPO | "
+                 f"{100 * c['gigpo']['overhead']:+.1f}% ({c['gigpo']['seconds']:.3f} s vs "
+                 f"{c['grpo']['seconds']:.3f} s, median of {c['repeats']} interleaved) | <= 5% |")
     if "per_turn" in c:
       lines.append(f"| update with per-turn returns (per_turn) vs GRPO | "
                    f"{100 * c['per_turn']['overhead']:+.1f}% | |")
