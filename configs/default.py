@@ -211,13 +211,16 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # Measured at 80 SFT and 5 RL steps: 5.6 min (SFT 2.0, RL 1.5, evaluation 1.5, comparison
     # 0.6), mostly compilation; hence 50 and 4. With 2 seeds per arm (2026-12-05, 4 RL steps,
     # all 389 error states): 8.0 min (start and SFT 1.8, RL 2.7, evaluation 0.8, comparison
-    # 2.5); hence 3 RL steps and a cap of 128 error states.
-    c.sft.steps = 50
-    c.rl.steps, c.rl.num_tasks, c.rl.group_size = 3, 4, 8
-    c.checkpoint_every = 3
+    # 2.5); hence 3 RL steps and a cap of 128 error states. A fresh-clone `make run
+    # VARIANT=quick` with those (2026-12-06, AMD EPYC): 6.2 min (set-up 0.75, SFT 1.5, RL 2.0,
+    # evaluation 0.7, comparison 1.3); hence 40 SFT and 2 RL steps, 64 error states and 16
+    # likelihood trajectories.
+    c.sft.steps = 40
+    c.rl.steps, c.rl.num_tasks, c.rl.group_size = 2, 4, 8
+    c.checkpoint_every = 2
     c.eval.num_samples = 4
-    c.eval.tasks_per_batch, c.eval.max_reference_states, c.eval.max_error_states = 32, 64, 128
-    c.eval.state_batch, c.eval.likelihood_trajectories, c.eval.num_bootstrap = 32, 32, 300
+    c.eval.tasks_per_batch, c.eval.max_reference_states, c.eval.max_error_states = 32, 64, 64
+    c.eval.state_batch, c.eval.likelihood_trajectories, c.eval.num_bootstrap = 32, 16, 300
     c.study.seeds = 2
   elif variant == "smoke":
     c.env.name = "lookup"
