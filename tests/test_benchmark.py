@@ -71,3 +71,34 @@ def test_credit_overhead_interleaves_and_reports_ratios(monkeypatch):
   assert out["gigpo"]["overhead"] == pytest.approx(0.1)
   assert out["per_turn"]["overhead"] == pytest.approx(0.0)
   assert out["gigpo"]["anchor_group_size"] == 2.5
+
+
+def _section(update_flops_per_s=50.0, decode_seconds=2.0):
+  return {"update": {"model_flops_per_s": update_flops_per_s, "tokens_per_s": 400.0,
+                     "tokens": 800, "padded_length": 256},
+          "decode": {"tokens": 100, "seconds": decode_seconds, "tokens_per_s": 100 / decode_seconds,
+                     "bound_bytes": 300.0}}
+
+
+def test_markdown_has_the_smollm2_rows():
+  # The SmolLM2 section gets its own decode-vs-bound and update/MFU rows and a line with its
+  # rollout, beside the built-in model's (a 100 FLOP/s update of a 200 peak: 50%).
+  row = lambda s: {"seconds": s, "episodes_per_s": 8 / s, "generated_tokens_per_s": 80 / s,
+                   "mean_length": 300.0}
+  res = {"model": "builtin:micro", "env": "lookup", "params": 500_000, "episodes": 8, "turns": 2,
+         "machine": {"cpu": "test cpu", "devices": "1 x cpu", "backend": "cpu", "jax": "0",
+                     "peak_gflops": 0.0, "bandwidth_gbs": 0.0},
+         "rollout": {"jax": row(1.0), "host": row(2.0), "naive": row(10.0)},
+         **_section(),
+         "smollm2": {"dtype": "float32", "params": 134_515_008, "episodes": 8, "turns": 2,
+                     "rollout": row(4.0), **_section(update_flops_per_s=100.0,
+                                                     decode_seconds=6.0)}}
+  benchmark.with_limits(res, peak=200.0, bandwidth=100.0)
+  assert res["smollm2"]["update"]["mfu"] == 0.5
+  assert res["smollm2"]["decode"]["fraction_of_bound"] == pytest.approx(0.5)
+  md = benchmark.markdown(res)
+  assert "| SmolLM2-135M update tokens/s, MFU | 400, 50.0% of peak" in md
+  assert "| SmolLM2-135M decode tokens/s (bound) | 17 (33: 50% of it) |" in md
+  assert "SmolLM2-135M model: 134,515,008 parameters (float32)" in md
+  assert "jax rollout 4.00 s, 2.00 episodes/s, 20 generated tokens/s" in md
+  assert "| jax rollout vs naive loop (episodes/s) | 10.0x |" in md

@@ -7,7 +7,7 @@ import dataclasses
 import ml_collections
 import pytest
 
-from configs import default, hf
+from configs import default, hf, smollm2
 from jaxagent.learners.update import LearnerConfig
 from jaxagent.rollout.budget import Budget
 from jaxagent.runs import config as rc
@@ -78,6 +78,20 @@ def test_variants_build(variant):
   rc.study_config(c)
   assert rc.rl_config(c).budget.spec == c.rl.budget
   assert rc.eval_config(c).max_turns == c.eval.max_turns
+
+
+@pytest.mark.parametrize("variant", ["cpu", "gpu"])
+def test_smollm2_variants_build(variant):
+  c = smollm2.get_config(variant)
+  rc.validate(c)
+  st = rc.study_config(c)
+  # The built-in default's environment and budgets (the two studies side by side), >= 2 seeds.
+  assert c.model.path == "builtin:smollm2-135m" and c.env.name == "grid"
+  assert (st.tight_budget, st.generous_budget, st.mix_budget) == (
+      "fixed:4", "fixed:8", "mix:3,4,6,8")
+  assert st.seeds >= 2
+  with pytest.raises(ValueError, match="use cpu or gpu"):
+    smollm2.get_config("tpu")
 
 
 def test_smoke_values():
