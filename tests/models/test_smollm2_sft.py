@@ -41,7 +41,7 @@ def _config(tmp_path):
   c.data.num_train = 16
   c.data.num_validation = 4
   c.data.num_test = NUM_TASKS
-  # Cheaper than the study's SFT (a step of 8 full demonstrations is ~3 TFLOP, ~20 s here):
+  # Cheaper than the study's SFT (a step of 8 full demonstrations, ~4k tokens, took ~55 s here):
   # episodes of at most 4 turns, 4 per batch.
   c.data.demo_max_turns = 4
   c.sft.batch_size = 4
