@@ -10,12 +10,13 @@ with several seeds each, evaluation, the comparison) on the same environment and
 built-in default (5x5 `grid`, fixed:4, fixed:8, mix:3,4,6,8), so the two studies sit side by
 side; the model and the sizes change. Zero-shot the model answers in prose (no valid tool call),
 so SFT teaches the call format first; it starts from real language priors where the built-in
-model starts from nothing. Its tokenizer makes the grid transcripts ~390 tokens (noisy-oracle
-demonstrations: mean 388, p90 493, max 504), ~25 of them the agent's.
+model starts from nothing.
 
-`grid` and `workshop` are the environments whose demonstrations SmolLM2's tokenizer can spell:
-`lookup` and `arithmetic` corrupt actions byte by byte for their injected errors, and this
-vocabulary lacks single-byte tokens for some bytes.
+Demonstration transcripts with SmolLM2's tokenizer (mean / p90 / max tokens, 2026-12-06): grid
+(this config) 388 / 493 / 504, ~25 of them the agent's; lookup hops=2 243 / 346 / 423; arithmetic
+num_ops=2 246 / 345 / 423; workshop 488 / 514 / 524. lookup is the cheaper choice (0.63x grid's
+tokens) if the `cpu` variant misses its 2 hours: set env.name and env.difficulty together (the
+difficulty knobs are the environment's own).
 
 Variants: `cpu` (this project's 2-core CPU, float32: sizes chosen from the measured costs in the
 comments) and `gpu` (one accelerator: bfloat16 compute, the default's sizes).

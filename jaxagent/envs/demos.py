@@ -133,10 +133,15 @@ def make_error_sampler(env) -> Callable[[jax.Array, Any], tuple[TokenBuffer, jax
       return kind, allowed, env.error_action
   else:
     table = byte_tokens(env.codec)
-    if np.any(table < 0):
+    # Actions are printable ASCII (tool names, entity names, numbers, punctuation), and so are
+    # their corruptions: only those bytes need a single-byte token (byte-level BPE vocabularies
+    # such as SmolLM2's lack some control and invalid UTF-8 bytes, which no action contains).
+    missing = [b for b in range(32, 127) if table[b] < 0]
+    if missing:
       raise ValueError(
           f"{env.name} has no error_candidates() and its tokenizer lacks single-byte tokens for "
-          "some bytes, so errors cannot be spelled; give the env error_candidates/error_action.")
+          f"the printable bytes {''.join(map(chr, missing))!r}, so errors cannot be spelled; "
+          "give the env error_candidates/error_action.")
 
     def candidates(state):
       bufs, kind = generic_error_actions(env.codec, env.oracle_action(state), table)

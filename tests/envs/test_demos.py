@@ -170,6 +170,23 @@ def test_generic_errors_for_an_env_without_error_candidates(builtin_tokenizer):
       assert action.endswith(", zz)")
 
 
+def test_generic_errors_need_single_byte_tokens_for_printable_bytes_only(builtin_tokenizer,
+                                                                         monkeypatch):
+  env = envs.make("lookup", builtin_tokenizer, hops=1)
+  table = demos.byte_tokens(env.codec)
+  # A vocabulary without single-byte tokens for control and invalid UTF-8 bytes (as SmolLM2's
+  # lacks 0x04, 0x06, 0xc0, 0xff, ...) can still spell every corrupted action.
+  no_control = table.copy()
+  no_control[[4, 6, 192, 255]] = -1
+  monkeypatch.setattr(demos, "byte_tokens", lambda codec: no_control)
+  demos.make_error_sampler(env)
+  no_z = table.copy()
+  no_z[ord("z")] = -1
+  monkeypatch.setattr(demos, "byte_tokens", lambda codec: no_z)
+  with pytest.raises(ValueError, match=r"lookup has no error_candidates\(\).*printable bytes 'z'"):
+    demos.make_error_sampler(env)
+
+
 def test_bad_rates_are_rejected():
   with pytest.raises(ValueError, match="error_rate"):
     demos.noisy_oracle_params(1.5, 0.5)
