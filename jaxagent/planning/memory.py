@@ -177,7 +177,8 @@ def optimizer_bytes(cfg: ModelConfig, mesh, optimizer: str = "adamw") -> int:
 
 def kv_cache_bytes(cfg: ModelConfig, mesh, batch: int, capacity: int) -> int:
   """Per-device bytes of `decoder.init_cache(cfg, batch, capacity)` placed by the rules: k and v
-  [layers, B, kv_heads, S, head_dim] in the compute dtype, plus the int32 lengths [B]."""
+  [layers, B, kv_heads, S, head_dim] (k stored with its last two axes swapped: the same bytes) in
+  the compute dtype, plus the int32 lengths [B]."""
   shape = (cfg.num_layers, batch, cfg.num_kv_heads, capacity, cfg.head_dim)
   kv = local_elements(("layers", "batch", "kv_heads", "length", "head_dim"), shape, mesh)
   return 2 * kv * cfg.jnp_dtype.itemsize + 4 * local_elements(("batch",), (batch,), mesh)

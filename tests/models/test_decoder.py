@@ -183,3 +183,39 @@ def test_batched_prefill_then_decode_equals_each_row_alone(params):
     assert g.shape == w.shape
     assert np.abs(g - w).max() < 1e-5, b
   np.testing.assert_array_equal(np.asarray(cache.length), lens + [4, 4, 3])
+
+
+def _reference_attention(q, k_cache, v_cache, length, scores, v):
+  """Plain masked softmax over [every cache slot, the chunk]: q [B, K, G, L, hd], k_cache and
+  v_cache [B, K, S, hd], scores [B, K, G, L, L] (the chunk's masked self-scores), v [B, K, L, hd]."""
+  hd, s = q.shape[-1], k_cache.shape[2]
+  sc = np.einsum("bkgld,bksd->bkgls", q, k_cache) * hd ** -0.5
+  sc = np.where((np.arange(s)[None, :] < length[:, None])[:, None, None, None], sc, -np.inf)
+  allsc = np.concatenate([sc, scores], axis=-1)
+  p = np.exp(allsc - allsc.max(-1, keepdims=True))
+  p /= p.sum(-1, keepdims=True)
+  return np.einsum("bkgls,bksd->bkgld", p, np.concatenate([v_cache, v], axis=2))
+
+
+@pytest.mark.parametrize("chunk", [1, 5])
+@pytest.mark.parametrize("block", [4, 7, 16, 40, 64])   # tiles, overlaps, dense (>= capacity)
+def test_every_cache_attention_path_equals_masked_softmax(chunk, block):
+  """Ragged rows (empty, mid, exactly full after the chunk, one slot short), against the plain
+  masked softmax over the whole cache; block 7 makes the last block overlap the previous one,
+  blocks >= the capacity take the dense path."""
+  rng = np.random.RandomState(chunk * 100 + block)
+  b, kh, g, hd, s, layers = 5, 2, 3, 8, 40, 2
+  length = np.array([0, 13, s - chunk, s - chunk - 1, 28], np.int32)
+  q = rng.normal(size=(b, kh, g, chunk, hd)).astype(np.float32)
+  kc = rng.normal(size=(layers, b, kh, s, hd)).astype(np.float32) * 2
+  vc = rng.normal(size=(layers, b, kh, s, hd)).astype(np.float32)
+  v = rng.normal(size=(b, kh, chunk, hd)).astype(np.float32)
+  scores = rng.normal(size=(b, kh, g, chunk, chunk)).astype(np.float32) * 2
+  scores = np.where(np.tril(np.ones((chunk, chunk), bool)), scores, decoder._NEG)
+  fn = jax.jit(decoder._cache_attention, static_argnums=7)
+  for layer in range(layers):
+    got = fn(jnp.asarray(q), jnp.asarray(kc.swapaxes(3, 4)), jnp.asarray(vc), layer,
+             jnp.asarray(length), jnp.asarray(scores), jnp.asarray(v), block)
+    want = _reference_attention(q, kc[layer], vc[layer], length, scores, v)
+    np.testing.assert_allclose(np.asarray(got), want, rtol=0, atol=2e-5,
+                               err_msg=f"layer {layer}")

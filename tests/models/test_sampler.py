@@ -283,8 +283,10 @@ def test_chunked_prefill_equals_one_chunk(params):
   np.testing.assert_allclose(np.asarray(many)[live], np.asarray(one)[live], atol=1e-5)
   np.testing.assert_array_equal(c4.length, lens)
   for b, p in enumerate(prompts[:3]):     # the rows' k/v slots; junk past a row's length
-    np.testing.assert_allclose(np.asarray(c4.k)[:, b, :, :len(p)],
-                               np.asarray(c1.k)[:, b, :, :len(p)], atol=1e-5)
+    np.testing.assert_allclose(np.asarray(c4.k)[:, b, :, :, :len(p)],   # k: slots last
+                               np.asarray(c1.k)[:, b, :, :, :len(p)], atol=1e-5)
+    np.testing.assert_allclose(np.asarray(c4.v)[:, b, :, :len(p)],
+                               np.asarray(c1.v)[:, b, :, :len(p)], atol=1e-5)
   full = np.asarray(jax.jit(decoder.apply, static_argnums=0)(CFG, params, toks)[0])
   for b, p in enumerate(prompts[:3]):
     np.testing.assert_allclose(np.asarray(many)[b], full[b, len(p) - 1], atol=1e-4)

@@ -91,7 +91,8 @@ def test_plan_equals_sharded_arrays(name, shape, tasks_n, group, builtin_tokeniz
   assert p.gradients == p.params
 
   cache = _start_cache(policy, env, mesh, tasks_n, group, rcfg)
-  assert cache.k.shape == (cfg.num_layers, g, cfg.num_kv_heads, rcfg.context_len, cfg.head_dim)
+  assert cache.v.shape == (cfg.num_layers, g, cfg.num_kv_heads, rcfg.context_len, cfg.head_dim)
+  assert cache.k.shape == (cfg.num_layers, g, cfg.num_kv_heads, cfg.head_dim, rcfg.context_len)
   assert p.kv_cache == _bytes_on_device0((cache.k, cache.v, cache.length))
 
   # The rules' divisibility decides: not simply the global size over 8 devices.
