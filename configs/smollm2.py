@@ -40,14 +40,11 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.rl.learner.learning_rate = 2e-5
   c.rl.learner.warmup_steps = 1
   if variant == "cpu":
-    # Costs measured on the 2-core CPU (2026-12-06, float32): an SFT step of 8 demonstrations
-    # (padded to 512 tokens) 52-56 s and of 4 (<= 4 turns) ~18 s, ~60-75 tokens/s, with another
-    # job on the second core; alone, the benchmark's update ran at 74 tokens/s (38% of the
-    # measured peak; the 49,152-word unembedding is a fifth of the FLOPs) and a rollout of 8
-    # episodes x 2 turns took 6.5 s. Sizes for <= 2 hours alone, estimated from those costs
-    # (not yet run end to end): SFT 30 steps of 4 (~9 min), RL 4 steps of 4 tasks x 4 episodes
-    # per run (~2 min a step, six runs ~50 min), 24 test tasks x 4 samples per policy, small
-    # comparison caps.
+    # Sizes for <= 2 hours on this project's 2-core CPU (float32). Measured on a fresh-clone run
+    # (2026-12-06, README): 114 min in all: SFT 30 steps of 4 in 12.8 min (~21 s a step), RL
+    # 4 steps of 4 tasks x 4 episodes per run in 6-10 min a run (six runs ~47 min), evaluation
+    # of 24 test tasks x 4 samples ~3.2 min a policy, the comparison (small caps) 28 min. Peak
+    # memory 22.4 GB (the RL update): alone on a 24 GB machine, or rl.learner.minibatches=4.
     c.data.num_train, c.data.num_validation, c.data.num_test = 64, 8, 24
     c.data.demo_episodes_per_task = 2
     c.sft.steps, c.sft.batch_size = 30, 4
