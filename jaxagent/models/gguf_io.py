@@ -277,7 +277,9 @@ def _byte_level_tokenizer(f: GGUFFile):
   tok = GPT2Tokenizer(vocab=vocab, merges=[tuple(m.split(" ")) for m in merges],
                       unk_token=named("unknown_token_id"), bos_token=named("bos_token_id"),
                       eos_token=named("eos_token_id"), pad_token=named("padding_token_id"),
-                      add_prefix_space=bool(f.value("tokenizer.ggml.add_space_prefix", False)))
+                      add_prefix_space=bool(f.value("tokenizer.ggml.add_space_prefix", False)),
+                      add_bos_token=bool(f.value("tokenizer.ggml.add_bos_token", False)),
+                      add_eos_token=bool(f.value("tokenizer.ggml.add_eos_token", False)))
   control = [AddedToken(t, normalized=False, special=True) for t, k in zip(tokens, types)
              if k == _CONTROL and set(t) <= alphabet]
   if control:

@@ -347,6 +347,21 @@ def test_byte_level_tokenizer_equals_transformers_gguf_tokenizer(tmp_path, pre):
                     "llama-bpe": ["ab", "123", "45"]}[pre]
 
 
+def test_byte_level_tokenizer_adds_bos_when_the_file_says_so(tmp_path):
+  """Llama 3 files set tokenizer.ggml.add_bos_token: encoding then starts with BOS, as in
+  transformers' GGUF tokenizer."""
+  w = gguf.GGUFWriter(str(tmp_path / "bos.gguf"), "llama")
+  _add_metadata(w, _D, _F, _H, _K, _HD, pre="llama-bpe")
+  w.add_add_bos_token(True)
+  path = _finish(w, tmp_path / "bos.gguf")
+  ours, ref = gguf_io.load_tokenizer(path), _transformers_tokenizer(path)
+  for text in TOKENIZER_TEXTS:
+    ids = ours(text)["input_ids"]
+    assert ids == ref(text)["input_ids"] and ids[0] == _BOS, text
+    if "<|" not in text:
+      assert ours.decode(ids, skip_special_tokens=True) == text
+
+
 def test_gguf_tokenizer_and_config_load_without_torch(synthetic):
   """transformers' own GGUF reader imports torch; a CPU user's venv need not have it."""
   path, _ = synthetic
