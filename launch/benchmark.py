@@ -317,8 +317,7 @@ def observation_prefill_only(policy, traj, repeats: int) -> dict:
   b, tm = t.acted.shape
   starts = (t.turn_start + t.action_length).T                        # [T, B] after each action
   ends = np.concatenate([t.turn_start[:, 1:], t.length[:, None]], axis=1).T
-  lens = np.where(t.acted.T, np.maximum(ends - starts, 0), 0).astype(np.int32)
-  lens = np.where(np.arange(tm)[:, None] < np.maximum(t.num_turns, 1)[None, :], lens, 0)
+  lens = np.where(t.acted.T, np.maximum(ends - starts, 0), 0).astype(np.int32)   # acted: t < turns
   w = max(1, int(lens.max()))
   chunks = np.zeros((tm, b, w), np.int32)
   for i in range(tm):

@@ -128,23 +128,24 @@ class GGUFFile:
       return float(str(part[0]))       # 9.999999747378752e-06 (what config.json said)
     return part.tolist()[0]
 
-  def array_len(self, key: str) -> int | None:
+  def _array(self, key: str):
+    """The metadata field `key` if it is an array, else None."""
     f = self.fields.get(key)
-    return len(f.data) if f is not None and f.types and f.types[0].name == "ARRAY" else None
+    return f if f is not None and f.types and f.types[0].name == "ARRAY" else None
+
+  def array_len(self, key: str) -> int | None:
+    f = self._array(key)
+    return None if f is None else len(f.data)
 
   def strings(self, key: str) -> list[str] | None:
     """A string-array metadata value (e.g. tokenizer.ggml.tokens), or None."""
-    f = self.fields.get(key)
-    if f is None or not f.types or f.types[0].name != "ARRAY":
-      return None
-    return [bytes(f.parts[i]).decode("utf-8") for i in f.data]
+    f = self._array(key)
+    return None if f is None else [bytes(f.parts[i]).decode("utf-8") for i in f.data]
 
   def ints(self, key: str) -> list[int] | None:
     """An integer-array metadata value (e.g. tokenizer.ggml.token_type), or None."""
-    f = self.fields.get(key)
-    if f is None or not f.types or f.types[0].name != "ARRAY":
-      return None
-    return [int(f.parts[i][0]) for i in f.data]
+    f = self._array(key)
+    return None if f is None else [int(f.parts[i][0]) for i in f.data]
 
   @property
   def architecture(self) -> str | None:
