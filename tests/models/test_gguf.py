@@ -362,6 +362,15 @@ def test_byte_level_tokenizer_adds_bos_when_the_file_says_so(tmp_path):
       assert ours.decode(ids, skip_special_tokens=True) == text
 
 
+def test_byte_level_tokenizer_without_merges_is_named(tmp_path):
+  w = gguf.GGUFWriter(str(tmp_path / "nomerges.gguf"), "llama")
+  w.add_tokenizer_model("gpt2")
+  w.add_token_list(_TOKENS)
+  path = _finish(w, tmp_path / "nomerges.gguf")
+  with pytest.raises(CheckpointError, match=r"nomerges\.gguf: .*tokenizer\.ggml\.merges.*re-convert"):
+    gguf_io.load_tokenizer(path)
+
+
 def test_gguf_tokenizer_and_config_load_without_torch(synthetic):
   """transformers' own GGUF reader imports torch; a CPU user's venv need not have it."""
   path, _ = synthetic
