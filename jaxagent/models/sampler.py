@@ -49,10 +49,25 @@ def scaled_logprobs(logits, temperature):
   return jax.nn.log_softmax(logits / t, axis=-1)
 
 
+def argmax_last(x):
+  """jnp.argmax(x, axis=-1) as int32 (the first index of the maximum) for NaN-free x, as two
+  plain reductions: XLA:CPU's fused (value, index) reduction of argmax took twice as long
+  (measured on [64, 720] logits, 2026-12-06), once per decode step."""
+  m = jnp.max(x, axis=-1, keepdims=True)
+  v = x.shape[-1]
+  return jnp.min(jnp.where(x == m, jnp.arange(v, dtype=jnp.int32), v), axis=-1)
+
+
+def categorical(key, logits):
+  """jax.random.categorical(key, logits, axis=-1) token for token (the same Gumbel noise, the
+  same arg-max) with `argmax_last`."""
+  return argmax_last(logits + jax.random.gumbel(key, logits.shape, logits.dtype))
+
+
 def sample_from_logits(key, logits_bv, sc: SamplingConfig):
   """Samples one token per row. Returns (tokens [B] int32, logprobs [B] float32)."""
   logp = scaled_logprobs(logits_bv, sc.temperature)
-  greedy = jnp.argmax(logits_bv, axis=-1).astype(jnp.int32)
+  greedy = argmax_last(logits_bv)
 
   def truncated_sample(_):
     order = jnp.argsort(-logp, axis=-1)
@@ -62,11 +77,11 @@ def sample_from_logits(key, logits_bv, sc: SamplingConfig):
     mass_before = jnp.cumsum(jnp.exp(sorted_logp), axis=-1) - jnp.exp(sorted_logp)
     keep = keep & (mass_before < sc.top_p)
     keep = keep.at[:, 0].set(True)
-    choice = jax.random.categorical(key, jnp.where(keep, sorted_logp, -jnp.inf), axis=-1)
+    choice = categorical(key, jnp.where(keep, sorted_logp, -jnp.inf))
     return jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0].astype(jnp.int32)
 
   def plain_sample(_):
-    return jax.random.categorical(key, logp, axis=-1).astype(jnp.int32)
+    return categorical(key, logp)
 
   truncate = (sc.top_k > 0) | (sc.top_p < 1.0)
   sampled = jax.lax.cond(truncate, truncated_sample, plain_sample, None)

@@ -219,3 +219,86 @@ def test_every_cache_attention_path_equals_masked_softmax(chunk, block):
     want = _reference_attention(q, kc[layer], vc[layer], length, scores, v)
     np.testing.assert_allclose(np.asarray(got), want, rtol=0, atol=2e-5,
                                err_msg=f"layer {layer}")
+
+
+def _numpy_causal_attention(q, k, v, mask):
+  """float64 masked softmax of q [B, K, G, L, hd] over k, v [B, K, L, hd] under mask [B, L, L]."""
+  sc = np.einsum("bkgld,bksd->bkgls", q, k) * q.shape[-1] ** -0.5
+  sc = np.where(mask[:, None, None], sc, -1e300)   # rows with no key: uniform, as in the model
+  p = np.exp(sc - sc.max(-1, keepdims=True))
+  return np.einsum("bkgls,bksd->bkgld", p / p.sum(-1, keepdims=True), v)
+
+
+@pytest.mark.parametrize("block", [1, 4, 5, 13, 64])   # L = 13: ragged last block; >= L: one product
+def test_causal_attention_in_query_blocks_equals_one_masked_softmax(block):
+  """Values against float64 numpy, gradients against autodiff of the one-product path, with a
+  full row, left and right padding and a row with one real token. Padding queries (no visible
+  key) carry a zero cotangent, as they do in the model."""
+  rng = np.random.RandomState(block)
+  b, kh, g, l, hd = 4, 2, 3, 13, 8
+  valid = np.ones((b, l), bool)
+  valid[1, :5] = False
+  valid[2, 9:] = False
+  valid[3, :12] = False
+  mask = np.tril(np.ones((l, l), bool))[None] & valid[:, None, :]
+  q, k, v = (rng.normal(size=s).astype(np.float32) for s in
+             [(b, kh, g, l, hd), (b, kh, l, hd), (b, kh, l, hd)])
+  sees = mask.any(-1)                                                    # [B, L]
+  cot = rng.normal(size=q.shape).astype(np.float32) * sees[:, None, None, :, None]
+
+  out = np.asarray(jax.jit(decoder.causal_attention, static_argnums=4)(q, k, v, mask, block))
+  assert np.isfinite(out).all()
+  want = _numpy_causal_attention(q.astype(np.float64), k.astype(np.float64),
+                                 v.astype(np.float64), mask)
+  np.testing.assert_allclose(out.transpose(0, 3, 1, 2, 4)[sees],
+                             want.transpose(0, 3, 1, 2, 4)[sees], rtol=0, atol=2e-6)
+
+  def loss(blk):
+    return lambda q, k, v: jnp.sum(decoder.causal_attention(q, k, v, mask, blk) * cot)
+
+  got = jax.jit(jax.grad(loss(block), argnums=(0, 1, 2)))(q, k, v)
+  ref = jax.jit(jax.grad(loss(0), argnums=(0, 1, 2)))(q, k, v)
+  for name, a, r in zip("qkv", got, ref):
+    assert np.abs(np.asarray(r)).max() > 0.1, name
+    np.testing.assert_allclose(np.asarray(a), np.asarray(r), rtol=0, atol=2e-5, err_msg=name)
+
+
+def test_swiglu_gradient_equals_autodiff():
+  rng = np.random.RandomState(3)
+  h, wg, wu, wd, cot = (jnp.asarray(rng.normal(size=s).astype(np.float32)) for s in
+                        [(2, 5, 6), (6, 7), (6, 7), (7, 6), (2, 5, 6)])
+
+  def plain(h, wg, wu, wd):
+    return jnp.einsum("blf,fd->bld", jax.nn.silu(h @ wg) * (h @ wu), wd)
+
+  np.testing.assert_allclose(decoder.swiglu(h, wg, wu, wd), plain(h, wg, wu, wd), atol=1e-5)
+  got = jax.grad(lambda *a: jnp.sum(decoder.swiglu(*a) * cot), argnums=(0, 1, 2, 3))(h, wg, wu, wd)
+  ref = jax.grad(lambda *a: jnp.sum(plain(*a) * cot), argnums=(0, 1, 2, 3))(h, wg, wu, wd)
+  for name, a, r in zip(["h", "w_gate", "w_up", "w_down"], got, ref):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(r), rtol=1e-5, atol=1e-5, err_msg=name)
+
+
+def test_query_blocks_change_neither_logits_nor_parameter_gradients(params):
+  """The whole model with padded rows: query blocks of 3 against one product, on the logits of
+  real tokens and the gradient of their mean log-likelihood."""
+  rng = np.random.RandomState(9)
+  tokens = jnp.asarray(rng.randint(0, CFG.vocab_size, size=(3, 11)), jnp.int32)
+  valid = np.ones((3, 11), bool)
+  valid[1, :4] = False
+  valid[2, 7:] = False
+  valid = jnp.asarray(valid)
+
+  def loglik(p, block):
+    logits, _ = decoder.apply(CFG, p, tokens, attention_mask=valid, query_block=block)
+    lp = jnp.take_along_axis(jax.nn.log_softmax(logits[:, :-1]), tokens[:, 1:, None], -1)[..., 0]
+    pair = valid[:, :-1] & valid[:, 1:]
+    return jnp.sum(jnp.where(pair, lp, 0.0)) / jnp.sum(pair), logits
+
+  f = jax.jit(jax.value_and_grad(loglik, has_aux=True), static_argnums=1)
+  (v3, logits3), g3 = f(params, 3)
+  (v0, logits0), g0 = f(params, 0)
+  np.testing.assert_allclose(np.asarray(logits3)[valid], np.asarray(logits0)[valid], atol=2e-5)
+  np.testing.assert_allclose(v3, v0, atol=1e-6)
+  for (path, a), r in zip(jax.tree_util.tree_flatten_with_path(g3)[0], jax.tree.leaves(g0)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(r), rtol=1e-4, atol=1e-5,
+                               err_msg=jax.tree_util.keystr(path))

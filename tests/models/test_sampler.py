@@ -131,6 +131,27 @@ def test_greedy_at_temperature_zero():
     np.testing.assert_allclose(lp, want, atol=1e-6)
 
 
+def test_argmax_last_is_the_first_index_of_the_maximum():
+  rng = np.random.RandomState(7)
+  x = rng.randint(-3, 3, size=(500, 9)).astype(np.float32)   # many ties
+  x[::5, 2] = np.inf
+  x[1::7] = -np.inf                                           # whole rows of -inf: index 0
+  x[3::11, 4] = -np.inf
+  got = np.asarray(jax.jit(sampler.argmax_last)(jnp.asarray(x)))
+  assert got.dtype == np.int32
+  np.testing.assert_array_equal(got, np.argmax(x, -1))
+
+
+def test_categorical_is_the_gumbel_argmax_and_never_draws_minus_infinity():
+  logits = _random_logits(5, 2.0)
+  logits[:, 3] = -np.inf
+  key = jax.random.key(6)
+  got = np.asarray(jax.jit(sampler.categorical)(key, jnp.asarray(logits)))
+  noise = np.asarray(jax.random.gumbel(key, logits.shape, jnp.float32))
+  np.testing.assert_array_equal(got, np.argmax(logits + noise, -1))
+  assert not np.any(got == 3)
+
+
 def test_logprobs_are_log_softmax_over_temperature_at_the_sampled_token():
   logits = _random_logits(3, 2.0)
   for t, k, p in [(0.7, 0, 1.0), (1.3, 5, 1.0), (0.9, 0, 0.8)]:
