@@ -152,7 +152,9 @@ def prefill(cfg: ModelConfig, params, cache: decoder.KVCache, tokens, lengths,
 
   Returns (logits [B, V] at each row's last real token, cache). Rows with length 0 keep their
   previous state; their returned logits are meaningless and must be masked by the caller.
-  Prompts longer than `chunk` (static) go in chunk by chunk (a scan), with the same result.
+  Inputs wider than `chunk` (static) go in chunk by chunk, with the same result, and only as
+  many chunks run as the longest row needs: a buffer sized for the longest possible input (an
+  environment's observation width) costs what its longest real row costs, rounded up to a chunk.
   """
   b, l = tokens.shape
   if l <= chunk:
@@ -162,17 +164,18 @@ def prefill(cfg: ModelConfig, params, cache: decoder.KVCache, tokens, lengths,
   n = -(-l // chunk)
   tokens = jnp.pad(tokens, ((0, 0), (0, n * chunk - l)))
 
-  def body(carry, i):
+  def body(i, carry):
     cache, logits = carry
     part = jax.lax.dynamic_slice_in_dim(tokens, i * chunk, chunk, axis=1)
     lens = jnp.clip(lengths - i * chunk, 0, chunk)
     hidden, cache = decoder.apply(cfg, params, part, cache=cache, chunk_lens=lens,
                                   return_hidden=True)
     logits = jnp.where((lens > 0)[:, None], _last_logits(cfg, params, hidden, lens), logits)
-    return (cache, logits), None
+    return cache, logits
 
+  used = jnp.minimum((jnp.max(lengths) + chunk - 1) // chunk, n)    # chunks with any real token
   init = (cache, jnp.zeros((b, cfg.vocab_size), jnp.float32))
-  (cache, logits), _ = jax.lax.scan(body, init, jnp.arange(n))
+  cache, logits = jax.lax.fori_loop(0, used, body, init)
   return logits, cache
 
 

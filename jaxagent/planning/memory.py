@@ -35,18 +35,18 @@ loc(axes, shape) = elements of that global shape on one device under the rules (
                 memory and the update moves it back for the pass)
   activations = saved residuals of the update's forward + backward through the layer scan, for
                 one minibatch of M episodes x S tokens. With T = loc((M, S)) tokens per device:
-      layer(Sq, Sk) = T*(2c + 16)*D                      x, normed x (c) and 4 float32 norm terms
+      layer(Sq, Sk) = T*(3c + 16)*D                      x, normed x, MLP input (c) and 4
+                                                         float32 norm terms
                     + 2c*loc(M, S, H, hd) + 2c*loc(M, K, S, hd)   q and attention output; k, v
-                    + 6c*loc(M, S, F)                             gate, up, silu terms, product
-                    + (4 + c)*loc(M, H, Sq, Sk)                   float32 scores + probs in c
-      (these are what `jax.ad_checkpoint.print_saved_residuals` lists for the decoder's layer)
-      no remat: (N + 1) * layer(S, S)   (N layers saved by the scan, + one layer's cotangents)
-      remat:    N * c*T*D + 2 * layer(S, S)   (layer inputs only; one layer recomputed + its
-                cotangents; the decoder has no remat switch yet: an estimate of what a
-                per-layer `jax.checkpoint` would keep)
-      + 1*loc(M, H, S, S) attention mask (bool, materialised once) + 4*c*T*D (embedding output,
-        final hidden states, their norm and cotangent) + 16*loc(M, chunk, V) (one chunk of the
-        float32 log-softmax, entropy and their cotangents; `logprob_chunk` tokens at a time)
+                    + 2c*loc(M, S, F)                             gate and up (`decoder.swiglu`)
+                    + (4 + c)*loc(M, H, Sq, Sk)                   float32 scores + probs in c, or
+                      8*loc(M, H, Sq) when Sq = Sk > QUERY_BLOCK (`decoder.causal_attention` in
+                      query blocks keeps only each query's softmax max and sum)
+      + 1*loc(M, H, S, S) attention mask (bool, materialised once; 7*loc(M, H, S, S) in query
+        blocks: XLA keeps several unrolled blocks' float32 scores live, fitted at S = 256-1024)
+      + 4*c*T*D (embedding output, final hidden states, their norm and cotangent)
+      + 16*loc(M, chunk, V) (one chunk of the float32 log-softmax, entropy and their
+        cotangents; `logprob_chunk` tokens at a time)
   update_batch = trajectory (below) + the update's copies: 4*loc(G, S) loss mask (+4*loc(G, S)
                 reference log-probs) + (12 (+4))*loc(M, S) for the gathered minibatch
   kv_cache    = 2 * c * loc(N, G, K, S, hd) (k and v, [layers, B, kv_heads, S, head_dim],
@@ -194,9 +194,18 @@ def _layer_bytes(cfg: ModelConfig, mesh, rows: int, q_len: int, k_len: int) -> i
   heads = local_elements(("batch", None, "heads", "head_dim"), (rows, q_len, h, hd), mesh)
   kv = local_elements(("batch", "kv_heads", None, "head_dim"), (rows, k, q_len, hd), mesh)
   mlp = local_elements(("batch", None, "mlp"), (rows, q_len, f), mesh)
-  scores = local_elements(("batch", "heads", None, None), (rows, h, q_len, k_len), mesh)
-  return ((2 * c + 16) * hidden + 2 * c * heads + 2 * c * kv + 6 * c * mlp
-          + (4 + c) * scores)
+  if _blocked(q_len, k_len):        # per query: the softmax's float32 max and sum
+    attention = 8 * local_elements(("batch", "heads", None), (rows, h, q_len), mesh)
+  else:                             # float32 scores + probabilities
+    attention = (4 + c) * local_elements(("batch", "heads", None, None), (rows, h, q_len, k_len),
+                                         mesh)
+  return (3 * c + 16) * hidden + 2 * c * heads + 2 * c * kv + 2 * c * mlp + attention
+
+
+def _blocked(q_len: int, k_len: int) -> bool:
+  """Whether the decoder's causal attention without a cache runs in query blocks
+  (`decoder.causal_attention`)."""
+  return q_len == k_len and 0 < decoder.QUERY_BLOCK < q_len
 
 
 def activation_bytes(cfg: ModelConfig, mesh, minibatch: int, seq_len: int, *, remat: bool,
@@ -211,6 +220,11 @@ def activation_bytes(cfg: ModelConfig, mesh, minibatch: int, seq_len: int, *, re
     saved = (cfg.num_layers + 1) * layer
   mask = local_elements(("batch", "heads", None, None),
                         (minibatch, cfg.num_heads, seq_len, seq_len), mesh)
+  if _blocked(seq_len, seq_len):
+    # The query blocks are unrolled and XLA (CPU) keeps several blocks' float32 scores and
+    # probabilities live at once: ~6 bytes per [M, H, S, S] element, fitted to the compiled
+    # memory analysis at S = 256-1024 (2026-12-06); still ~1/(N + 1) of one product's 8 per layer.
+    mask *= 7
   chunk = min(logprob_chunk, max(seq_len - 1, 1))
   logits = 16 * local_elements(("batch", None, "vocab"), (minibatch, chunk, cfg.vocab_size), mesh)
   return saved + mask + 4 * c * hidden + logits

@@ -83,6 +83,13 @@ class _Carry:
   key: jax.Array
 
 
+# Observation tokens per prefill chunk. The observation buffer is as wide as the environment's
+# longest possible observation (`max_step_obs_len`), often twice the longest real one in a batch;
+# in chunks of this many only those up to the batch's longest real row run (`sampler.prefill`).
+# Measured 2026-12-06 on the peers' workload (lookup, 4 hops: 97-wide buffer, <= 49 real tokens).
+OBSERVE_CHUNK = 32
+
+
 def _write(buf, chunk, offset, active):
   """buf[b, offset[b]:offset[b]+C] = chunk[b] for active rows. buf [B, L], chunk [B, C]."""
   upd = jax.vmap(lambda r, c, o: jax.lax.dynamic_update_slice(r, c, (o,)))(
@@ -191,7 +198,7 @@ def _observe(mcfg: ModelConfig, eot: int, params, c: _Carry, obs: TokenBuffer, i
       loss_mask=_write(c.buf.loss_mask, jnp.zeros((b, n + 1)), offset, active),
       logprobs=_write(c.buf.logprobs, jnp.zeros((b, n + 1)), offset, active),
       turn=_write(c.buf.turn, jnp.where(real, c.t, -1), offset, active))
-  logits, cache = sampler.prefill(mcfg, params, c.cache, chunk, chunk_len)
+  logits, cache = sampler.prefill(mcfg, params, c.cache, chunk, chunk_len, OBSERVE_CHUNK)
   t = c.t
   r = c.rec
   rec = r.replace(
