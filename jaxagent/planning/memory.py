@@ -42,6 +42,11 @@ loc(axes, shape) = elements of that global shape on one device under the rules (
                     + (4 + c)*loc(M, H, Sq, Sk)                   float32 scores + probs in c, or
                       8*loc(M, H, Sq) when Sq = Sk > QUERY_BLOCK (`decoder.causal_attention` in
                       query blocks keeps only each query's softmax max and sum)
+      (these are what `jax.ad_checkpoint.print_saved_residuals` lists for the decoder's layer)
+      no remat: (N + 1) * layer(S, S)   (N layers saved by the scan, + one layer's cotangents)
+      remat:    N * c*T*D + 2 * layer(S, S)   (layer inputs only; one layer recomputed + its
+                cotangents; the decoder has no remat switch yet: an estimate of what a
+                per-layer `jax.checkpoint` would keep)
       + 1*loc(M, H, S, S) attention mask (bool, materialised once; 7*loc(M, H, S, S) in query
         blocks: XLA keeps several unrolled blocks' float32 scores live, fitted at S = 256-1024)
       + 4*c*T*D (embedding output, final hidden states, their norm and cotangent)
@@ -223,7 +228,7 @@ def activation_bytes(cfg: ModelConfig, mesh, minibatch: int, seq_len: int, *, re
   if _blocked(seq_len, seq_len):
     # The query blocks are unrolled and XLA (CPU) keeps several blocks' float32 scores and
     # probabilities live at once: ~6 bytes per [M, H, S, S] element, fitted to the compiled
-    # memory analysis at S = 256-1024 (2026-12-06); still ~1/(N + 1) of one product's 8 per layer.
+    # memory analysis at S = 256-1024 (2026-12-06); one product kept 8 per layer, (N + 1) times.
     mask *= 7
   chunk = min(logprob_chunk, max(seq_len - 1, 1))
   logits = 16 * local_elements(("batch", None, "vocab"), (minibatch, chunk, cfg.vocab_size), mesh)
