@@ -311,3 +311,26 @@ def test_chunked_prefill_equals_one_chunk(params):
   full = np.asarray(jax.jit(decoder.apply, static_argnums=0)(CFG, params, toks)[0])
   for b, p in enumerate(prompts[:3]):
     np.testing.assert_allclose(np.asarray(many)[b], full[b, len(p) - 1], atol=1e-4)
+
+
+def test_prefill_runs_only_the_chunks_the_longest_row_needs(params):
+  """A buffer far wider than its rows (24 columns, rows of <= 5 tokens, chunks of 4): the same
+  logits as one chunk, and only two chunks run (a third would write past slot 8). With every
+  row empty, no chunk runs and the cache is untouched."""
+  rng = np.random.RandomState(8)
+  prompts = [rng.randint(1, 64, size=n).tolist() for n in (5, 2, 4)]
+  toks, lens = _right_padded(prompts, 24)
+  prefill = jax.jit(sampler.prefill, static_argnames=("cfg", "chunk"))
+  marked = decoder.init_cache(CFG, 3, 32)
+  marked = marked.replace(k=jnp.full(marked.k.shape, 7.0, marked.k.dtype),
+                          v=jnp.full(marked.v.shape, 7.0, marked.v.dtype))
+  one, _ = prefill(CFG, params, marked, toks, lens, chunk=32)
+  many, cache = prefill(CFG, params, marked, toks, lens, chunk=4)
+  np.testing.assert_allclose(np.asarray(many), np.asarray(one), atol=1e-5)
+  np.testing.assert_array_equal(cache.length, lens)
+  assert np.all(np.asarray(cache.k)[..., 8:] == 7.0)           # k: slots last
+  assert np.all(np.asarray(cache.v)[:, :, :, 8:] == 7.0)
+  assert not np.all(np.asarray(cache.k)[..., 4:8] == 7.0)      # the second chunk ran
+  _, untouched = prefill(CFG, params, marked, toks, jnp.zeros_like(lens), chunk=4)
+  assert np.all(np.asarray(untouched.k) == 7.0) and np.all(np.asarray(untouched.v) == 7.0)
+  np.testing.assert_array_equal(untouched.length, 0)
