@@ -47,8 +47,8 @@ loc(axes, shape) = elements of that global shape on one device under the rules (
       remat:    N * c*T*D + 2 * layer(S, S)   (layer inputs only; one layer recomputed + its
                 cotangents; the decoder has no remat switch yet: an estimate of what a
                 per-layer `jax.checkpoint` would keep)
-      + 1*loc(M, H, S, S) attention mask (bool, materialised once; 7*loc(M, H, S, S) in query
-        blocks: XLA keeps several unrolled blocks' float32 scores live, fitted at S = 256-1024)
+      + 1*loc(M, H, S, S) attention mask (bool, materialised once; 7*loc(M, H, S, S) with query
+        blocks, fitted to XLA's compiled memory at S = 256-1024)
       + 4*c*T*D (embedding output, final hidden states, their norm and cotangent)
       + 16*loc(M, chunk, V) (one chunk of the float32 log-softmax, entropy and their
         cotangents; `logprob_chunk` tokens at a time)
@@ -226,9 +226,10 @@ def activation_bytes(cfg: ModelConfig, mesh, minibatch: int, seq_len: int, *, re
   mask = local_elements(("batch", "heads", None, None),
                         (minibatch, cfg.num_heads, seq_len, seq_len), mesh)
   if _blocked(seq_len, seq_len):
-    # The query blocks are unrolled and XLA (CPU) keeps several blocks' float32 scores and
-    # probabilities live at once: ~6 bytes per [M, H, S, S] element, fitted to the compiled
-    # memory analysis at S = 256-1024 (2026-12-06); one product kept 8 per layer, (N + 1) times.
+    # In query blocks XLA (CPU) still keeps ~6 bytes per [M, H, S, S] element beside the mask,
+    # once per update (one product kept 8 per layer, (N + 1) times): fitted to the compiled
+    # memory analysis at S = 256-1024 (2026-12-06). Not yet traced to its buffers: ordering the
+    # blocks with optimization barriers did not change it.
     mask *= 7
   chunk = min(logprob_chunk, max(seq_len - 1, 1))
   logits = 16 * local_elements(("batch", None, "vocab"), (minibatch, chunk, cfg.vocab_size), mesh)
