@@ -225,18 +225,15 @@ def causal_attention(q, k, v, mask_bls, block: int):
   Query block i attends only the keys [0, end of block i): the causal mask hides the rest, so the
   blocks skip about half of the L x L scores, and the [B, K, G, L, L] scores and probabilities
   never exist at once. The gradient is written out (`_blocked_attention_bwd`, flash-attention
-  style): it keeps only each query's softmax max and sum and recomputes a block's probabilities, so the
-  backward pass neither stores nor reloads per-layer probabilities. In the RL update these L^2
+  style): it keeps only each query's softmax max and sum and recomputes a block's probabilities,
+  so the backward pass neither stores nor reloads per-layer probabilities. In the RL update these L^2
   tensors were the largest costs (profiled 2026-12-06 on the default config at L = 896).
   A query that sees no key at all (padding) gets a finite, meaningless output whose value
   depends on the path (the mean of the keys its block reads); the model never reads it.
   """
   l = q.shape[3]
   if block <= 0 or block >= l:
-    hd = q.shape[-1]
-    sc = jnp.einsum("bkgld,bksd->bkgls", q, k, preferred_element_type=jnp.float32)
-    sc = jnp.where(mask_bls[:, None, None], sc * (hd ** -0.5), _NEG)
-    probs = jax.nn.softmax(sc, axis=-1).astype(q.dtype)
+    probs = jax.nn.softmax(_block_scores(q, k, mask_bls, 0, l), axis=-1).astype(q.dtype)
     return jnp.einsum("bkgls,bksd->bkgld", probs, v)
   return _blocked_attention(q, k, v, mask_bls, block)
 
@@ -246,7 +243,8 @@ def _query_blocks(l: int, block: int):
 
 
 def _block_scores(q, k, mask_bls, start, end):
-  """Scaled, masked float32 scores [B, K, G, end - start, end] of query block [start, end)."""
+  """Scaled, masked float32 scores [B, K, G, end - start, end] of query block [start, end) over
+  keys [0, end) (start 0, end L: the whole chunk's scores)."""
   hd = q.shape[-1]
   sc = jnp.einsum("bkgld,bksd->bkgls", q[:, :, :, start:end], k[:, :, :end],
                   preferred_element_type=jnp.float32)
@@ -332,8 +330,7 @@ def _layer(cfg: ModelConfig, x_bld, p, cos, sin, mask_bls, cache=None, layer=Non
   if cache is None:
     attn = causal_attention(q, k, v, mask_bls, query_block)
   else:
-    scores = jnp.einsum("bkgld,bksd->bkgls", q, k, preferred_element_type=jnp.float32)
-    scores = jnp.where(mask_bls[:, None, None], scores * (hd ** -0.5), _NEG)
+    scores = _block_scores(q, k, mask_bls, 0, l)
     attn = _cache_attention(q, cache.k, cache.v, layer, cache.length, scores, v, cache_block)
   attn = attn.transpose(0, 3, 1, 2, 4).reshape(b, l, nh, hd)
   x_bld = x_bld + jnp.einsum("blhk,hkd->bld", attn, w("o_proj"))
@@ -351,9 +348,7 @@ def swiglu(h, w_gate, w_up, w_down):
   the elementwise backward with a transpose of the [tokens, mlp] gradients, which XLA:CPU ran
   ~3x slower (1.56 s -> 0.49 s for a 2-layer scan at 28,672 tokens; 2026-12-06).
   """
-  gate = jnp.einsum("bld,df->blf", h, w_gate)
-  up = jnp.einsum("bld,df->blf", h, w_up)
-  return jnp.einsum("blf,fd->bld", jax.nn.silu(gate) * up, w_down)
+  return _swiglu_fwd(h, w_gate, w_up, w_down)[0]
 
 
 def _swiglu_fwd(h, w_gate, w_up, w_down):
@@ -384,7 +379,7 @@ swiglu.defvjp(_swiglu_fwd, _swiglu_bwd)
 
 def apply(cfg: ModelConfig, params: dict, tokens, positions=None, *, attention_mask=None,
           cache: KVCache | None = None, chunk_lens=None, return_hidden: bool = False,
-          cache_block: int = CACHE_BLOCK, query_block: int | None = None):
+          cache_block: int = CACHE_BLOCK, query_block: int = QUERY_BLOCK):
   """Runs the decoder.
 
   Args:
@@ -398,16 +393,14 @@ def apply(cfg: ModelConfig, params: dict, tokens, positions=None, *, attention_m
       Slots past the capacity are dropped (the caller keeps length + L <= capacity).
     chunk_lens: [B] int32, real tokens per row in this chunk (cache mode; default L).
     cache_block: cache slots read per block by the attention over the cache (static).
-    query_block: queries per block of the causal attention without a cache (static; default
-      `QUERY_BLOCK`; 0: one product over the whole sequence). See `causal_attention`.
+    query_block: queries per block of the causal attention without a cache (static; 0: one
+      product over the whole sequence). See `causal_attention`.
 
   Returns:
     (logits [B, L, V] float32, new cache or None); with return_hidden, the final normed hidden
     states [B, L, D] instead of logits.
   """
   b, l = tokens.shape
-  if query_block is None:
-    query_block = QUERY_BLOCK
   idx = jnp.arange(l)
   causal = idx[None, :, None] >= idx[None, None, :]                          # [1, L(q), L(k)]
   if cache is None:

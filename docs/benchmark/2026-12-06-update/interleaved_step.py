@@ -1,8 +1,8 @@
 """The default config's RL step (rollout + update) and the peers' rollout, timed with
 launch.benchmark's own functions from whichever checkout is first on PYTHONPATH; run it from an
 old and a new checkout in turn (interleaved.txt). Prints one JSON line."""
-import sys, time, json
-import jax, numpy as np
+import json
+import jax
 from absl import flags
 flags.FLAGS(["x"])
 import launch.benchmark as B
