@@ -4,6 +4,7 @@
     distributed.initialize()            # before anything touches jax devices; no-op alone
     if distributed.is_primary():        # process 0 writes metrics, reports, exports
       ...
+    distributed.barrier("rollout done") # wait for every process (no-op alone)
 
 Resolution, first match wins:
   1. explicit arguments (coordinator_address, num_processes, process_id);
@@ -148,3 +149,21 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
 def is_primary() -> bool:
   """True on process 0: the one process that writes metrics, reports and exports."""
   return jax.process_index() == 0
+
+
+_BARRIERS = {"count": 0}
+
+
+def barrier(name: str, timeout_s: float = 600.0) -> None:
+  """Blocks until every process reaches this call (a no-op for one process).
+
+  Put it before the first cross-process collective that follows uneven host work (a compile, a
+  checkpoint write): on CPU the gloo collectives give the other processes only 30 s to join
+  before failing with "Gloo context initialization failed: DEADLINE_EXCEEDED", while this waits
+  up to `timeout_s`. Every process must make the same sequence of barrier calls."""
+  if not _already_initialized() or jax.process_count() == 1:
+    return
+  from jax._src import distributed as _dist
+  _BARRIERS["count"] += 1
+  _dist.global_state.client.wait_at_barrier(f"jaxagent/{_BARRIERS['count']}/{name}",
+                                            int(timeout_s * 1000))
