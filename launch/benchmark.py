@@ -32,6 +32,7 @@ bandwidth bound, MFU) is `jaxagent.planning.flops`'s; this script measures.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib.util
 import json
@@ -50,6 +51,7 @@ import jaxagent.envs as envs
 from configs.default import get_config
 from jaxagent.envs.base import TokenBuffer
 from jaxagent.envs.host import HostLookupEnv
+from jaxagent.kernels import cpu as cpu_kernels
 from jaxagent.eval.plots import _save, plt
 from jaxagent.learners.update import LearnerConfig, init_train_state, make_update_fn
 from jaxagent.models import decoder, from_pretrained, sampler
@@ -100,6 +102,27 @@ def _timed(fn, repeats: int):
     out = fn()
     times.append(time.perf_counter() - t0)
   return statistics.median(times), out
+
+
+@contextlib.contextmanager
+def attention_path(mode: str):
+  """Programs traced inside read the KV cache by `mode` (decoder.CACHE_ATTENTION_ENV)."""
+  old = os.environ.get(decoder.CACHE_ATTENTION_ENV)
+  os.environ[decoder.CACHE_ATTENTION_ENV] = mode
+  try:
+    yield
+  finally:
+    if old is None:
+      os.environ.pop(decoder.CACHE_ATTENTION_ENV)
+    else:
+      os.environ[decoder.CACHE_ATTENTION_ENV] = old
+
+
+def kernel_in_use() -> bool:
+  """Whether this process's decode steps take the CPU kernel (the decoder's "auto" choice)."""
+  mode = os.environ.get(decoder.CACHE_ATTENTION_ENV, "auto")
+  return (mode == "kernel" or (mode == "auto" and jax.device_count() == 1)) and \
+      jax.default_backend() == "cpu" and cpu_kernels.available()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -249,6 +272,12 @@ def peer_section(base, repeats: int, workdir, episodes: int = PEER_EPISODES,
   diff = float(np.abs(np.asarray(policy.forward(probe.tolist())) - want).max())
   secs, traj = _timed(_rollout_fn(policy, env, tasks, 1, turns, PEER_TOKENS), repeats)
   jax_row = _rollout_row(secs, traj, episodes)
+  xla_row = None
+  if kernel_in_use():                  # the same rollout with XLA's cache attention, beside it
+    with attention_path("xla"):
+      xla_secs, xla_traj = _timed(_rollout_fn(policy, env, tasks, 1, turns, PEER_TOKENS),
+                                  repeats)
+    xla_row = _rollout_row(xla_secs, xla_traj, episodes)
   eot, pad = int(env.codec.end_of_turn_id), int(env.codec.pad_id)
   gen = hf_generate(model, eot, pad)
   hf_secs, toks = _timed(lambda: naive_rollout(None, host, jax.tree.map(np.asarray, tasks),
@@ -257,7 +286,7 @@ def peer_section(base, repeats: int, workdir, episodes: int = PEER_EPISODES,
   return {"params": param_counts(policy.config, policy.params)["total"],
           "episodes": episodes, "turns": turns, "tokens_per_turn": PEER_TOKENS,
           "logits_max_abs_diff": diff, "torch_threads": torch.get_num_threads(),
-          "jax": jax_row,
+          "jax": jax_row, "jax_xla_attention": xla_row,
           "hf": {"seconds": hf_secs, "episodes_per_s": episodes / hf_secs,
                  "generated_tokens": toks, "generated_tokens_per_s": toks / hf_secs},
           "speedup": hf_secs / secs}
@@ -390,13 +419,20 @@ def decode_step_profile(policy, batch: int, context: int, steps: int = 16,
     return jax.jit(run)
 
   out = {}
-  for name, block, filled in (("step", decoder.CACHE_BLOCK, context),
-                              ("step_dense", cap, context),
-                              ("step_without_cache_attention", decoder.CACHE_BLOCK, 0)):
-    f = stepper(block)
-    length = jnp.full((batch,), filled, jnp.int32)
-    secs, _ = _timed(lambda: jax.block_until_ready(f(params, cache, length)), repeats)
+  kernel = kernel_in_use()
+  for name, block, filled, mode in (
+      ("step", decoder.CACHE_BLOCK, context, None),
+      ("step_xla_blocks", decoder.CACHE_BLOCK, context, "xla" if kernel else None),
+      ("step_dense", cap, context, "xla"),
+      ("step_without_cache_attention", decoder.CACHE_BLOCK, 0, None)):
+    if name == "step_xla_blocks" and not kernel:
+      continue                                      # "step" is already XLA's blocks
+    with attention_path(mode) if mode else contextlib.nullcontext():
+      f = stepper(block)
+      length = jnp.full((batch,), filled, jnp.int32)
+      secs, _ = _timed(lambda: jax.block_until_ready(f(params, cache, length)), repeats)
     out[name + "_ms"] = 1e3 * secs / steps
+  out["step_path"] = "kernel" if kernel else "xla blocks"
   logits = jax.random.normal(key, (batch, cfg.vocab_size))
   sc = sampler.SamplingConfig.make(1.0)
 
@@ -561,7 +597,9 @@ def markdown(res: dict) -> str:
             f"{res['episodes']} episodes x {res['turns']} turns.", "",
             "| method | seconds | episodes/s | generated tokens/s | time vs jax |",
             "|---|---|---|---|---|"]
-  for k in ("jax", "host", "naive"):
+  for k in ("jax", "jax_xla_attention", "host", "naive"):
+    if k not in r:
+      continue
     lines.append(f"| {k} | {r[k]['seconds']:.2f} | {_fmt(r[k]['episodes_per_s'])} | "
                  f"{_fmt(r[k]['generated_tokens_per_s'], 0)} | "
                  f"{r[k]['seconds'] / r['jax']['seconds']:.2f}x |")
@@ -614,14 +652,17 @@ def markdown(res: dict) -> str:
   if any(p for _, p in profiles):
     lines += ["", "A decode step, split by ablation (ms per step; `cache attention` = the step "
               "minus the step with no cached slots to attend):", "",
-              "| model | rows x cached slots | step (blocked) | step (dense) | without cache "
-              "attention | cache attention | sampling | cache read at the measured bandwidth |",
-              "|---|---|---|---|---|---|---|---|"]
+              "| model | rows x cached slots | step (path) | step (XLA blocks) | step (XLA "
+              "dense) | without cache attention | cache attention | sampling | cache read at "
+              "the measured bandwidth |",
+              "|---|---|---|---|---|---|---|---|---|"]
     for name, pr in profiles:
       if pr:
         bw_ms = 1e3 * pr["kv_bytes"] / (res["machine"].get("bandwidth_gbs", 0) * 1e9 or 1)
+        blocks = pr.get("step_xla_blocks_ms", pr["step_ms"])
         lines.append(f"| {name or res['model']} | {pr['batch']} x {pr['context']} | "
-                     f"{pr['step_ms']:.2f} | {pr['step_dense_ms']:.2f} | "
+                     f"{pr['step_ms']:.2f} ({pr.get('step_path', 'xla blocks')}) | "
+                     f"{blocks:.2f} | {pr['step_dense_ms']:.2f} | "
                      f"{pr['step_without_cache_attention_ms']:.2f} | "
                      f"{pr['cache_attention_ms']:.2f} | {pr['sampling_ms']:.2f} | "
                      f"{bw_ms:.2f} |")
@@ -636,6 +677,11 @@ def markdown(res: dict) -> str:
               f"{pe['jax']['mean_length']:.0f} tokens); the transformers generate loop "
               f"(torch, {pe['torch_threads']} threads, history re-encoded every turn) "
               f"{pe['hf']['seconds']:.2f} s ({_fmt(pe['hf']['episodes_per_s'])} episodes/s)."]
+    if pe.get("jax_xla_attention"):
+      xa = pe["jax_xla_attention"]
+      lines[-1] += (f" The jax rollout with XLA's cache attention instead of the kernel: "
+                    f"{xa['seconds']:.2f} s ({_fmt(xa['episodes_per_s'])} episodes/s, "
+                    f"{pe['hf']['seconds'] / xa['seconds']:.1f}x the transformers loop).")
   if res.get("big"):
     b = res["big"]
     lines += ["", f"{big_name}model: {b['params']:,} parameters ({b['dtype']}), random weights, "
@@ -681,8 +727,12 @@ def main(argv):
                      "devices": f"{jax.device_count()} x {jax.devices()[0].device_kind}",
                      "backend": jax.default_backend(), "jax": jax.__version__}}
   rollouts = {}
-  for name, e in (("jax", env), ("host", host)):
-    secs, traj = _timed(_rollout_fn(policy, e, tasks, g, turns), reps)
+  runs = [("jax", env, None), ("host", host, None)]
+  if kernel_in_use():            # the jitted rollout with XLA's cache attention, beside it
+    runs.insert(1, ("jax_xla_attention", env, "xla"))
+  for name, e, mode in runs:
+    with attention_path(mode) if mode else contextlib.nullcontext():
+      secs, traj = _timed(_rollout_fn(policy, e, tasks, g, turns), reps)
     rollouts[name] = _rollout_row(secs, traj, n * g)
     if name == "jax":
       jax_traj = traj

@@ -115,7 +115,7 @@ def micro_rollout():
   return policy, env, tasks, traj
 
 
-def test_rollout_pieces_cover_the_transcript(micro_rollout):
+def test_rollout_pieces_cover_the_transcript(micro_rollout, monkeypatch):
   """The breakdown's programs take the rollout's own tokens: the first observation, the sampled
   actions (<eot> included) and the later observations the prefill-only program appends make up
   every transcript token."""
@@ -132,6 +132,10 @@ def test_rollout_pieces_cover_the_transcript(micro_rollout):
   cfg = policy.config
   assert prof["kv_bytes"] == 2 * cfg.num_layers * 4 * cfg.num_kv_heads * 100 * cfg.head_dim * 4
   assert min(prof[k] for k in prof if k.endswith("_ms") and k != "cache_attention_ms") > 0
+  assert prof["step_path"] == "xla blocks" and "step_xla_blocks_ms" not in prof   # 8 devices
+  monkeypatch.setenv("JAXAGENT_CACHE_ATTENTION", "kernel")     # the kernel, and XLA beside it
+  prof = benchmark.decode_step_profile(policy, 4, 100, steps=2, repeats=1)
+  assert prof["step_path"] == "kernel" and prof["step_xla_blocks_ms"] > 0
 
 
 def test_peer_section_runs_both_systems_on_the_same_weights(tmp_path):
@@ -149,20 +153,24 @@ def test_peer_section_runs_both_systems_on_the_same_weights(tmp_path):
 def test_markdown_has_the_breakdown_and_peer_rows():
   row = lambda s: {"seconds": s, "episodes_per_s": 8 / s, "generated_tokens_per_s": 80 / s,
                    "mean_length": 300.0}
-  prof = {"step_ms": 2.0, "step_dense_ms": 3.0, "step_without_cache_attention_ms": 0.5,
-          "cache_attention_ms": 1.5, "sampling_ms": 0.1, "batch": 64, "context": 700,
-          "kv_bytes": 40e6}
+  prof = {"step_ms": 2.0, "step_xla_blocks_ms": 4.0, "step_dense_ms": 3.0,
+          "step_without_cache_attention_ms": 0.5, "cache_attention_ms": 1.5, "sampling_ms": 0.1,
+          "batch": 64, "context": 700, "kv_bytes": 40e6, "step_path": "kernel"}
   res = {"model": "builtin:micro", "env": "lookup", "params": 500_000, "episodes": 8, "turns": 2,
          "machine": {"cpu": "test cpu", "devices": "1 x cpu", "backend": "cpu", "jax": "0",
                      "peak_gflops": 0.0, "bandwidth_gbs": 40.0},
-         "rollout": {"jax": row(3.0), "host": row(4.0), "naive": row(10.0)}, **_section(),
+         "rollout": {"jax": row(3.0), "jax_xla_attention": row(4.5), "host": row(4.0),
+                     "naive": row(10.0)}, **_section(),
          "breakdown": {"observation_prefill": {"seconds": 0.5}, "environment": {"seconds": 0.1},
                        "decode_step": prof},
          "peers": {"params": 972_928, "episodes": 64, "turns": 8, "tokens_per_turn": 16,
                    "logits_max_abs_diff": 1e-6, "torch_threads": 2, "speedup": 4.0,
-                   "jax": row(2.0), "hf": row(8.0)}}
+                   "jax": row(2.0), "jax_xla_attention": row(4.0), "hf": row(8.0)}}
   benchmark.with_limits(res, peak=200.0, bandwidth=40e9)
   md = benchmark.markdown(res)
   assert "| jax rollout time / (decode + observation prefill) time | 1.20 | <= 1.5 |" in md
   assert "| peers' workload: jax rollout vs the transformers generate loop (episodes/s) | 4.0x" in md
-  assert "| builtin:micro | 64 x 700 | 2.00 | 3.00 | 0.50 | 1.50 | 0.10 | 1.00 |" in md
+  assert ("| builtin:micro | 64 x 700 | 2.00 (kernel) | 4.00 | 3.00 | 0.50 | 1.50 | 0.10 | "
+          "1.00 |") in md
+  assert "| jax_xla_attention | 4.50 | 1.8 | 18 | 1.50x |" in md
+  assert "XLA's cache attention instead of the kernel: 4.00 s (2.0 episodes/s, 2.0x the" in md

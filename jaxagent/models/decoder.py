@@ -22,11 +22,13 @@ cache; `python -m launch.benchmark` measures decode against the memory-bandwidth
 from __future__ import annotations
 
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
 from flax import nnx, struct
 
+from jaxagent.kernels import cpu
 from jaxagent.models.config import ModelConfig
 from jaxagent.sharding.mesh import constrain_batch
 
@@ -161,12 +163,51 @@ def _cache_attention(q, k_all, v_all, layer, length, scores, v, block: int):
     online softmax, as in flash decoding), so a step costs the context actually used, not the
     cache's capacity, and no layer's cache is ever copied whole;
   * dense (block >= S): one masked product over the whole cache (no loop; cheaper when the
-    capacity is about the context in use).
+    capacity is about the context in use);
+  * kernel (XLA:CPU, one query per row, float32): a compiled custom call reads each row's valid
+    slots in place (`jaxagent.kernels.cpu`; 2.5x the blocks on the benchmark machine). It is
+    chosen by `_use_kernel`, see CACHE_ATTENTION_ENV.
   """
+  if _use_kernel(q, k_all, v_all):
+    return _kernel_cache_attention(q, k_all, v_all, layer, length, scores, v)
   s = v_all.shape[3]
   if block >= s:
     return _dense_cache_attention(q, k_all, v_all, layer, length, scores, v)
   return _blocked_cache_attention(q, k_all, v_all, layer, length, scores, v, block)
+
+
+# Which path reads the cache on CPU: "auto" (default) takes the kernel for decode steps when the
+# program runs on one CPU device and the kernel builds; "xla" never; "kernel" wherever it applies
+# (one query per row, float32, CPU), on any number of devices, and fails if it cannot build.
+CACHE_ATTENTION_ENV = "JAXAGENT_CACHE_ATTENTION"
+
+
+def _use_kernel(q, k_all, v_all) -> bool:
+  mode = os.environ.get(CACHE_ATTENTION_ENV, "auto").lower()
+  if mode not in ("auto", "xla", "kernel"):
+    raise ValueError(f"{CACHE_ATTENTION_ENV}={mode!r}: use auto, xla or kernel")
+  if mode == "xla" or q.shape[3] != 1 or jax.default_backend() != "cpu":
+    return False
+  if any(a.dtype != jnp.float32 for a in (q, k_all, v_all)):
+    return False
+  if mode == "kernel":
+    cpu.load()                        # raises KernelUnavailable, saying why
+    return True
+  return jax.device_count() == 1 and cpu.available()
+
+
+def _kernel_cache_attention(q, k_all, v_all, layer, length, scores, v):
+  """The kernel's softmax partials over the cache, merged with the chunk's own scores."""
+  b, kh, g, l, hd = q.shape
+  mc, dc, ac = cpu.cache_attention_partials(q.reshape(b, kh, g * l, hd), k_all, v_all, layer,
+                                            length)
+  mc, dc = mc.reshape(b, kh, g, l, 1), dc.reshape(b, kh, g, l, 1)
+  m = jnp.maximum(mc, jnp.max(scores, axis=-1, keepdims=True))
+  p, fix = jnp.exp(scores - m), jnp.exp(mc - m)
+  den = dc * fix + jnp.sum(p, axis=-1, keepdims=True)
+  acc = ac.reshape(b, kh, g, l, hd) * fix + jnp.einsum(
+      "bkgls,bksd->bkgld", p, v.astype(jnp.float32), preferred_element_type=jnp.float32)
+  return (acc / den).astype(q.dtype)
 
 
 def _dense_cache_attention(q, k_all, v_all, layer, length, scores, v):

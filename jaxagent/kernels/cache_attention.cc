@@ -1,0 +1,235 @@
+// Decode attention over a KV cache for XLA:CPU, read in place (built and called by cpu.py).
+//
+// For each row b, kv head k and query r (the G query heads x L chunk positions sharing that kv
+// head), over the row's valid slots s < length[b] of layer `layer`:
+//   score[s] = scale * q[b,k,r,:] . K[layer,b,k,:,s]
+//   m = max_s score,  den = sum_s exp(score - m),  acc = sum_s exp(score - m) V[layer,b,k,s,:]
+// The caller merges (m, den, acc) with the chunk's own scores (an online-softmax merge). A row
+// with no valid slot gets m = -1e30, den = 0, acc = 0.
+//
+// XLA:CPU runs the same maths as a loop of 128-slot blocks, each a dynamic-slice copy and two
+// tiny batched products; here each (b, k) pair streams its keys and values once, straight from
+// the cache, and the pairs are shared out over XLA's intra-op thread pool.
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <condition_variable>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr float kNeg = -1e30f;
+
+// exp(x) for x <= 0 (the softmax's shifted scores), written so that the compiler vectorises the
+// loops that call it: 2^n * p(r) with x = n ln2 + r, |r| <= ln2/2, and a degree-6 polynomial
+// (relative error ~2e-7, about std::exp's float rounding). Below -87 it returns 0.
+inline float ExpNonPositive(float x) {
+  x = std::max(x, -87.0f);
+  const float n = __builtin_roundevenf(x * 1.44269504088896341f);
+  const float r = (x - n * 0.693145751953125f) - n * 1.428606765330187045e-06f;
+  float p = 1.0f / 720.0f;
+  p = p * r + 1.0f / 120.0f;
+  p = p * r + 1.0f / 24.0f;
+  p = p * r + 1.0f / 6.0f;
+  p = p * r + 0.5f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  __builtin_memcpy(&scale, &bits, sizeof(scale));
+  return x <= -87.0f ? 0.0f : p * scale;
+}
+
+struct Shape {
+  int64_t layers, b, kh, r, hd, s;
+};
+
+// The softmax over each query's n scores in sc [r, n]: leaves exp(score - max) in sc and writes
+// the max and the sum.
+void Softmax(float* sc, int64_t r, int64_t n, float* m_out, float* den_out) {
+  for (int64_t i = 0; i < r; ++i) {
+    float* row = sc + i * n;
+    float mx = kNeg;
+    for (int64_t j = 0; j < n; ++j) mx = std::max(mx, row[j]);
+    float sum = 0.0f;
+    for (int64_t j = 0; j < n; ++j) {
+      row[j] = ExpNonPositive(row[j] - mx);
+      sum += row[j];
+    }
+    m_out[i] = mx;
+    den_out[i] = sum;
+  }
+}
+
+constexpr int64_t kTile = 32;   // slots per score tile (two AVX-512 registers per query)
+constexpr int64_t kRows = 4;    // queries per pass over the values
+
+// One (b, k) pair: r queries q [r, hd], keys [hd, s] (slots contiguous), values [s, hd]; the
+// first n slots are valid. HD > 0 fixes the head size at compile time (registers hold a tile);
+// HD == 0 reads it from `hd`.
+template <int64_t HD>
+void Pair(const float* q, const float* keys, const float* vals, int64_t n, int64_t r,
+          int64_t hd_runtime, int64_t s, float scale, float* m_out, float* den_out,
+          float* acc_out, std::vector<float>& buf) {
+  const int64_t hd = HD > 0 ? HD : hd_runtime;
+  if (n <= 0) {
+    std::fill(m_out, m_out + r, kNeg);
+    std::fill(den_out, den_out + r, 0.0f);
+    std::fill(acc_out, acc_out + r * hd, 0.0f);
+    return;
+  }
+  buf.resize(r * n + r * hd);
+  float* sc = buf.data();
+  float* qs = sc + r * n;
+  for (int64_t i = 0; i < r * hd; ++i) qs[i] = q[i] * scale;
+  // Scores, a tile of slots at a time: the tile's keys stay in L1 while every query reads them.
+  const int64_t full = n / kTile * kTile;
+  for (int64_t j0 = 0; j0 < full; j0 += kTile) {
+    for (int64_t i = 0; i < r; ++i) {
+      float t[kTile] = {};
+      const float* qi = qs + i * hd;
+      for (int64_t d = 0; d < hd; ++d) {
+        const float qd = qi[d];
+        const float* kr = keys + d * s + j0;
+#pragma GCC unroll 32
+        for (int64_t jj = 0; jj < kTile; ++jj) t[jj] += qd * kr[jj];
+      }
+      std::copy(t, t + kTile, sc + i * n + j0);
+    }
+  }
+  for (int64_t i = 0; i < r; ++i) {
+    for (int64_t j = full; j < n; ++j) {
+      float t = 0.0f;
+      for (int64_t d = 0; d < hd; ++d) t += qs[i * hd + d] * keys[d * s + j];
+      sc[i * n + j] = t;
+    }
+  }
+  Softmax(sc, r, n, m_out, den_out);
+  // Values, kRows queries at a time: their accumulators stay in registers over all n slots.
+  int64_t i0 = 0;
+  for (; i0 + kRows <= r; i0 += kRows) {
+    float a[kRows][HD > 0 ? HD : 1] = {};
+    if constexpr (HD > 0) {
+      for (int64_t j = 0; j < n; ++j) {
+        const float* vr = vals + j * HD;
+#pragma GCC unroll 4
+        for (int64_t ii = 0; ii < kRows; ++ii) {
+          const float p = sc[(i0 + ii) * n + j];
+#pragma GCC unroll 128
+          for (int64_t d = 0; d < HD; ++d) a[ii][d] += p * vr[d];
+        }
+      }
+      for (int64_t ii = 0; ii < kRows; ++ii) {
+        std::copy(a[ii], a[ii] + HD, acc_out + (i0 + ii) * HD);
+      }
+    } else {
+      break;
+    }
+  }
+  for (int64_t i = i0; i < r; ++i) {
+    float* acc = acc_out + i * hd;
+    std::fill(acc, acc + hd, 0.0f);
+    const float* p = sc + i * n;
+    for (int64_t j = 0; j < n; ++j) {
+      const float* vr = vals + j * hd;
+      for (int64_t d = 0; d < hd; ++d) acc[d] += p[j] * vr[d];
+    }
+  }
+}
+
+using PairFn = void (*)(const float*, const float*, const float*, int64_t, int64_t, int64_t,
+                        int64_t, float, float*, float*, float*, std::vector<float>&);
+
+PairFn PickPair(int64_t hd) {
+  switch (hd) {
+    case 32: return Pair<32>;
+    case 64: return Pair<64>;
+    case 128: return Pair<128>;
+    default: return Pair<0>;
+  }
+}
+
+struct Work {
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> done{0};
+  int64_t total = 0;
+  std::mutex mu;
+  std::condition_variable cv;
+};
+
+ffi::Error CacheAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
+                              ffi::Buffer<ffi::F32> k_all, ffi::Buffer<ffi::F32> v_all,
+                              ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> length,
+                              ffi::ResultBuffer<ffi::F32> m, ffi::ResultBuffer<ffi::F32> den,
+                              ffi::ResultBuffer<ffi::F32> acc, float scale) {
+  auto kd = k_all.dimensions();
+  auto qd = q.dimensions();
+  if (kd.size() != 5 || qd.size() != 4 || v_all.dimensions().size() != 5) {
+    return ffi::Error::InvalidArgument("cache_attention: want q [B,K,R,hd], k [Ly,B,K,hd,S]");
+  }
+  Shape sh{kd[0], kd[1], kd[2], qd[2], kd[3], kd[4]};
+  if (qd[0] != sh.b || qd[1] != sh.kh || qd[3] != sh.hd) {
+    return ffi::Error::InvalidArgument("cache_attention: q and cache shapes disagree");
+  }
+  const int32_t li = layer.typed_data()[0];
+  if (li < 0 || li >= sh.layers) return ffi::Error::InvalidArgument("cache_attention: layer");
+  const int64_t per_layer = sh.b * sh.kh * sh.hd * sh.s;
+  const float* kbase = k_all.typed_data() + li * per_layer;
+  const float* vbase = v_all.typed_data() + li * per_layer;
+  const float* qbase = q.typed_data();
+  const int32_t* len = length.typed_data();
+  float* mo = m->typed_data();
+  float* dno = den->typed_data();
+  float* ao = acc->typed_data();
+
+  auto work = std::make_shared<Work>();
+  work->total = sh.b * sh.kh;
+  const PairFn pair = PickPair(sh.hd);
+  auto run = [=](Work& w) {
+    std::vector<float> sc;
+    int64_t finished = 0;
+    for (int64_t p; (p = w.next.fetch_add(1)) < w.total;) {
+      const int64_t bi = p / sh.kh;
+      const int64_t n = std::min<int64_t>(std::max<int32_t>(len[bi], 0), sh.s);
+      const int64_t off = p * sh.hd * sh.s;
+      pair(qbase + p * sh.r * sh.hd, kbase + off, vbase + off, n, sh.r, sh.hd, sh.s, scale,
+           mo + p * sh.r, dno + p * sh.r, ao + p * sh.r * sh.hd, sc);
+      ++finished;
+    }
+    if (finished && w.done.fetch_add(finished) + finished == w.total) {
+      std::lock_guard<std::mutex> lock(w.mu);
+      w.cv.notify_all();
+    }
+  };
+  const int64_t helpers = std::min<int64_t>(pool.num_threads(), work->total) - 1;
+  for (int64_t t = 0; t < helpers; ++t) {
+    pool.Schedule([work, run] { run(*work); });
+  }
+  run(*work);  // the caller works too, so the call finishes even if no helper ever runs
+  std::unique_lock<std::mutex> lock(work->mu);
+  work->cv.wait(lock, [&] { return work->done.load() == work->total; });
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxagentCacheAttention, CacheAttentionImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<float>("scale"));

@@ -1,0 +1,144 @@
+"""The CPU cache-attention kernel: its softmax partials against float64 numpy (ragged, empty and
+full rows, every compiled head size and the generic one), the decoder's kernel path against its
+XLA paths, rollouts that are token for token the XLA path's on all four environments, and how
+the path is chosen and what a missing compiler does."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxagent.envs as envs
+from jaxagent.kernels import cpu
+from jaxagent.models import decoder, from_pretrained
+from jaxagent.models.scoring import score
+from jaxagent.rollout import rollout
+
+
+def _reference(q, k, v, length):
+  """float64 partials over slots [0, length) of each row: q [B,K,R,hd], k [B,K,hd,S],
+  v [B,K,S,hd]."""
+  q, k, v = (np.asarray(a, np.float64) for a in (q, k, v))
+  b, kh, r, hd = q.shape
+  sc = np.einsum("bkrd,bkds->bkrs", q, k) * hd ** -0.5
+  ok = np.arange(k.shape[-1])[None, :] < np.asarray(length)[:, None]
+  sc = np.where(ok[:, None, None, :], sc, -np.inf)
+  m = sc.max(-1)
+  p = np.where(ok[:, None, None, :], np.exp(sc - np.where(np.isinf(m), 0, m)[..., None]), 0)
+  return np.where(np.isinf(m), -1e30, m), p.sum(-1), np.einsum("bkrs,bksd->bkrd", p, v)
+
+
+@pytest.mark.parametrize("hd, r", [(32, 2), (64, 5), (128, 1), (24, 3)])
+def test_partials_equal_float64_reference(hd, r):
+  rng = np.random.default_rng(hd + r)
+  layers, b, kh, s = 3, 6, 2, 77          # S not a multiple of the kernel's 32-slot tiles
+  q = rng.normal(size=(b, kh, r, hd)).astype(np.float32)
+  k_all = rng.normal(size=(layers, b, kh, hd, s)).astype(np.float32)
+  v_all = rng.normal(size=(layers, b, kh, s, hd)).astype(np.float32)
+  length = np.array([0, 1, 31, 32, 64, s], np.int32)         # empty, tiny, tile edges, full
+  for layer in (0, 2):
+    m, den, acc = jax.jit(cpu.cache_attention_partials)(q, k_all, v_all, layer, length)
+    rm, rden, racc = _reference(q, k_all[layer], v_all[layer], length)
+    np.testing.assert_allclose(np.asarray(m), rm, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(den), rden, rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(acc), racc, rtol=1e-4, atol=1e-4)
+  # The empty row is exactly the identity of the softmax merge.
+  assert np.all(np.asarray(m)[0] == -1e30) and np.all(np.asarray(den)[0] == 0)
+  assert np.all(np.asarray(acc)[0] == 0)
+
+
+def test_partials_reject_mismatched_shapes():
+  q = jnp.zeros((2, 2, 1, 32))
+  with pytest.raises(ValueError, match="cache_attention_partials"):
+    cpu.cache_attention_partials(q, jnp.zeros((1, 2, 2, 16, 8)), jnp.zeros((1, 2, 2, 8, 32)), 0,
+                                 jnp.zeros((2,), jnp.int32))
+
+
+@pytest.fixture
+def micro():
+  return from_pretrained("builtin:micro")
+
+
+def _decode_logits(policy, mode, monkeypatch, block):
+  monkeypatch.setenv(decoder.CACHE_ATTENTION_ENV, mode)
+  cfg, params = policy.config, policy.params
+  b, cap = 5, 40
+  rng = np.random.default_rng(0)
+  cache = decoder.init_cache(cfg, b, cap)
+  prompt = jnp.asarray(rng.integers(3, cfg.vocab_size, size=(b, 24)), jnp.int32)
+  lens = jnp.array([0, 1, 7, 24, 24], jnp.int32)           # ragged; one row with no context
+  _, cache = decoder.apply(cfg, params, prompt, cache=cache, chunk_lens=lens, cache_block=block)
+  tok = jnp.asarray(rng.integers(3, cfg.vocab_size, size=(b, 1)), jnp.int32)
+  step = jax.jit(lambda p, t, c: decoder.apply(cfg, p, t, cache=c, cache_block=block)[0])
+  return np.asarray(step(params, tok, cache))
+
+
+def test_decoder_kernel_path_equals_blocked_and_dense(micro, monkeypatch):
+  kernel = _decode_logits(micro, "kernel", monkeypatch, 16)
+  for block in (16, 40):                                     # blocked (overlapping tail), dense
+    np.testing.assert_allclose(kernel, _decode_logits(micro, "xla", monkeypatch, block),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_path_choice(monkeypatch):
+  q = jnp.zeros((2, 2, 2, 1, 32))
+  k, v = jnp.zeros((1, 2, 2, 32, 8)), jnp.zeros((1, 2, 2, 8, 32))
+  monkeypatch.setenv(decoder.CACHE_ATTENTION_ENV, "kernel")
+  assert decoder._use_kernel(q, k, v)
+  assert not decoder._use_kernel(jnp.zeros((2, 2, 2, 3, 32)), k, v)   # chunks: XLA's products
+  assert not decoder._use_kernel(q.astype(jnp.bfloat16), k.astype(jnp.bfloat16),
+                                 v.astype(jnp.bfloat16))
+  monkeypatch.setenv(decoder.CACHE_ATTENTION_ENV, "auto")
+  assert not decoder._use_kernel(q, k, v)      # this test process has 8 devices
+  monkeypatch.setenv(decoder.CACHE_ATTENTION_ENV, "xla")
+  assert not decoder._use_kernel(q, k, v)
+  monkeypatch.setenv(decoder.CACHE_ATTENTION_ENV, "fast")
+  with pytest.raises(ValueError, match="use auto, xla or kernel"):
+    decoder._use_kernel(q, k, v)
+
+
+def test_a_missing_compiler_is_reported_and_falls_back(monkeypatch, tmp_path, caplog):
+  monkeypatch.setattr(cpu, "_STATE", {})
+  monkeypatch.setenv("JAXAGENT_KERNEL_DIR", str(tmp_path))
+  monkeypatch.setenv("CXX", "no-such-compiler-xyz")
+  assert not cpu.available()
+  assert "no C++ compiler 'no-such-compiler-xyz'" in caplog.text
+  with pytest.raises(cpu.KernelUnavailable, match="install g\\+\\+"):
+    cpu.load()
+  assert list(tmp_path.iterdir()) == []                     # nothing half-written left behind
+  monkeypatch.setenv(decoder.CACHE_ATTENTION_ENV, "kernel")
+  with pytest.raises(cpu.KernelUnavailable):
+    decoder._use_kernel(jnp.zeros((1, 1, 1, 1, 8)), jnp.zeros((1, 1, 1, 8, 4)),
+                        jnp.zeros((1, 1, 1, 4, 8)))
+
+
+def test_the_library_is_built_once_per_source_and_cpu(monkeypatch, tmp_path):
+  monkeypatch.setenv("JAXAGENT_KERNEL_DIR", str(tmp_path))
+  path = cpu.library_path()
+  assert path.parent == tmp_path and not path.exists()
+  assert cpu.ensure_built() == path
+  assert [p.name for p in tmp_path.iterdir()] == [path.name]
+  stamp = path.stat().st_mtime_ns
+  assert cpu.ensure_built() == path and path.stat().st_mtime_ns == stamp    # no rebuild
+  monkeypatch.setattr(cpu, "_FLAGS", cpu._FLAGS + ["-DJAXAGENT_OTHER"])
+  assert cpu.library_path() != path                          # other flags: another library
+
+
+@pytest.mark.parametrize("name", envs.names())
+def test_rollout_with_the_kernel_equals_xla(name, micro, monkeypatch):
+  env = envs.make(name, micro.tokenizer)
+  out = {}
+  for mode in ("xla", "kernel"):
+    monkeypatch.setenv(decoder.CACHE_ATTENTION_ENV, mode)
+    out[mode] = rollout(micro, env, jax.random.key(3), 3, 2, budgets=3, max_turns=3,
+                        max_action_tokens=8, temperature=1.0)
+  a, b = out["xla"], out["kernel"]
+  np.testing.assert_array_equal(np.asarray(a.tokens), np.asarray(b.tokens))
+  np.testing.assert_allclose(np.asarray(a.behaviour_logprobs), np.asarray(b.behaviour_logprobs),
+                             atol=1e-5)
+  mask = np.asarray(b.loss_mask) > 0
+  assert mask.sum() > 20
+  rescored = np.asarray(score(micro, b, temperature=1.0))
+  np.testing.assert_allclose(rescored[mask], np.asarray(b.behaviour_logprobs)[mask], atol=1e-5)
