@@ -140,6 +140,6 @@ def cache_attention_partials(q, k_all, v_all, layer, length):
   out = (jax.ShapeDtypeStruct((b, kh, r), jnp.float32),
          jax.ShapeDtypeStruct((b, kh, r), jnp.float32),
          jax.ShapeDtypeStruct((b, kh, r, hd), jnp.float32))
-  call = jax.ffi.ffi_call(_TARGET, out)
+  call = jax.ffi.ffi_call(_TARGET, out, vmap_method="sequential")   # under vmap: one call each
   return call(q.astype(jnp.float32), k_all, v_all, jnp.asarray(layer, jnp.int32),
               length.astype(jnp.int32), scale=np.float32(hd ** -0.5))

@@ -49,6 +49,19 @@ def test_partials_equal_float64_reference(hd, r):
   assert np.all(np.asarray(acc)[0] == 0)
 
 
+def test_partials_under_vmap_equal_each_call():
+  rng = np.random.default_rng(1)
+  q = rng.normal(size=(3, 2, 2, 1, 32)).astype(np.float32)       # a leading axis of 3
+  k = rng.normal(size=(3, 1, 2, 2, 32, 16)).astype(np.float32)
+  v = rng.normal(size=(3, 1, 2, 2, 16, 32)).astype(np.float32)
+  length = np.array([[5, 16], [0, 3], [16, 1]], np.int32)
+  got = jax.vmap(lambda *a: cpu.cache_attention_partials(*a[:3], 0, a[3]))(q, k, v, length)
+  for i in range(3):
+    want = cpu.cache_attention_partials(q[i], k[i], v[i], 0, length[i])
+    for g, w in zip(got, want):
+      np.testing.assert_array_equal(np.asarray(g[i]), np.asarray(w))
+
+
 def test_partials_reject_mismatched_shapes():
   q = jnp.zeros((2, 2, 1, 32))
   with pytest.raises(ValueError, match="cache_attention_partials"):
