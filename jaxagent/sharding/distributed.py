@@ -4,7 +4,7 @@
     distributed.initialize()            # before anything touches jax devices; no-op alone
     if distributed.is_primary():        # process 0 writes metrics, reports, exports
       ...
-    distributed.barrier("rollout done") # wait for every process (no-op alone)
+    distributed.barrier("step done")    # wait for every process (no-op alone)
 
 Resolution, first match wins:
   1. explicit arguments (coordinator_address, num_processes, process_id);
@@ -29,6 +29,8 @@ import os
 from typing import Mapping
 
 import jax
+import numpy as np
+from jax.experimental import multihost_utils
 
 ENV_COORDINATOR = "JAXAGENT_COORDINATOR"
 ENV_NUM_PROCESSES = "JAXAGENT_NUM_PROCESSES"
@@ -143,7 +145,22 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
                                local_device_ids=ids)
   else:
     jax.distributed.initialize(local_device_ids=ids)
+  _join_cpu_collectives()
   return layout
+
+
+def _join_cpu_collectives() -> None:
+  """On CPU, sets up the processes' gloo context now, while they are in step.
+
+  Gloo builds its context at the first cross-process collective and gives the other processes
+  only 30 s to join it ("Gloo context initialization failed: DEADLINE_EXCEEDED"); once built,
+  collectives wait as long as they need. A first collective inside a compiled program (a
+  rollout's loop condition over a batch split across processes) comes after each process's
+  own compile, which can differ by more than 30 s on a loaded machine."""
+  if jax.process_count() == 1 or jax.devices()[0].platform != "cpu":
+    return
+  barrier("gloo context")
+  multihost_utils.process_allgather(np.zeros((1,), np.int32))
 
 
 def is_primary() -> bool:

@@ -103,9 +103,6 @@ env = envs.make("lookup", policy.tokenizer, hops=1)
 traj = rollout(policy, env, jax.random.key(0), 2, 2, budgets=1, max_turns=1, max_action_tokens=8)
 assert not traj.tokens.is_fully_addressable          # each process holds its own episodes
 assert {s.data.shape[0] for s in traj.tokens.addressable_shards} == {2}
-jax.block_until_ready(traj.tokens)
-# The other process may still be compiling: wait for it here (gloo's own wait is 30 s).
-distributed.barrier("rollout done")
 tokens = multihost_utils.process_allgather(traj.tokens, tiled=True)
 logp = multihost_utils.process_allgather(traj.behaviour_logprobs, tiled=True)
 if distributed.is_primary():
