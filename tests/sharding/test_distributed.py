@@ -87,6 +87,7 @@ def test_initialize_is_a_no_op_for_one_process(monkeypatch):
 
 _WORKER = """
 import sys
+import time
 import numpy as np
 from jaxagent.sharding import distributed
 layout = distributed.initialize()
@@ -98,6 +99,8 @@ from jaxagent.models import from_pretrained
 from jaxagent.rollout import rollout
 from jaxagent.sharding import make_mesh
 assert layout.mode == "explicit" and jax.process_count() == 2 and jax.device_count() == 2
+if jax.process_index() == 1:    # process 0 reaches the rollout's first collective ~36 s early
+  time.sleep(36)                # (gloo's own wait for a new context is 30 s)
 policy = from_pretrained("builtin:micro", mesh=make_mesh((1, 2, 1)))
 env = envs.make("lookup", policy.tokenizer, hops=1)
 traj = rollout(policy, env, jax.random.key(0), 2, 2, budgets=1, max_turns=1, max_action_tokens=8)
@@ -117,10 +120,12 @@ def _free_port() -> int:
     return s.getsockname()[1]
 
 
-@pytest.mark.slow   # two processes each compile a rollout
+@pytest.mark.slow   # two processes each compile a rollout, one 36 s late
 def test_two_process_rollout_equals_one_process(tmp_path):
   """Two CPU processes joined by jax.distributed (the JAXAGENT_* variables), one device each,
-  roll out 4 episodes split over both: the gathered result equals this process's rollout."""
+  roll out 4 episodes split over both: the gathered result equals this process's rollout. One
+  process starts 36 s late, as a slow compile on a loaded machine would: `initialize` joined
+  gloo's context up front, so the collectives wait for it."""
   from jaxagent.models import from_pretrained
   from jaxagent.rollout import rollout
   import jaxagent.envs as envs
