@@ -51,7 +51,6 @@ import jaxagent.envs as envs
 from configs.default import get_config
 from jaxagent.envs.base import TokenBuffer
 from jaxagent.envs.host import HostLookupEnv
-from jaxagent.kernels import cpu as cpu_kernels
 from jaxagent.eval.plots import _save, plt
 from jaxagent.learners.update import LearnerConfig, init_train_state, make_update_fn
 from jaxagent.models import decoder, from_pretrained, sampler
@@ -116,13 +115,6 @@ def attention_path(mode: str):
       os.environ.pop(decoder.CACHE_ATTENTION_ENV)
     else:
       os.environ[decoder.CACHE_ATTENTION_ENV] = old
-
-
-def kernel_in_use() -> bool:
-  """Whether this process's decode steps take the CPU kernel (the decoder's "auto" choice)."""
-  mode = os.environ.get(decoder.CACHE_ATTENTION_ENV, "auto")
-  return (mode == "kernel" or (mode == "auto" and jax.device_count() == 1)) and \
-      jax.default_backend() == "cpu" and cpu_kernels.available()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -273,7 +265,7 @@ def peer_section(base, repeats: int, workdir, episodes: int = PEER_EPISODES,
   secs, traj = _timed(_rollout_fn(policy, env, tasks, 1, turns, PEER_TOKENS), repeats)
   jax_row = _rollout_row(secs, traj, episodes)
   xla_row = None
-  if kernel_in_use():                  # the same rollout with XLA's cache attention, beside it
+  if decoder.cache_kernel_enabled():                  # the same rollout with XLA's cache attention, beside it
     with attention_path("xla"):
       xla_secs, xla_traj = _timed(_rollout_fn(policy, env, tasks, 1, turns, PEER_TOKENS),
                                   repeats)
@@ -419,14 +411,13 @@ def decode_step_profile(policy, batch: int, context: int, steps: int = 16,
     return jax.jit(run)
 
   out = {}
-  kernel = kernel_in_use()
-  for name, block, filled, mode in (
-      ("step", decoder.CACHE_BLOCK, context, None),
-      ("step_xla_blocks", decoder.CACHE_BLOCK, context, "xla" if kernel else None),
-      ("step_dense", cap, context, "xla"),
-      ("step_without_cache_attention", decoder.CACHE_BLOCK, 0, None)):
-    if name == "step_xla_blocks" and not kernel:
-      continue                                      # "step" is already XLA's blocks
+  kernel = decoder.cache_kernel_enabled()
+  runs = [("step", decoder.CACHE_BLOCK, context, None),
+          ("step_dense", cap, context, "xla"),
+          ("step_without_cache_attention", decoder.CACHE_BLOCK, 0, None)]
+  if kernel:                             # XLA's blocks beside the kernel (else "step" is them)
+    runs.insert(1, ("step_xla_blocks", decoder.CACHE_BLOCK, context, "xla"))
+  for name, block, filled, mode in runs:
     with attention_path(mode) if mode else contextlib.nullcontext():
       f = stepper(block)
       length = jnp.full((batch,), filled, jnp.int32)
@@ -728,7 +719,7 @@ def main(argv):
                      "backend": jax.default_backend(), "jax": jax.__version__}}
   rollouts = {}
   runs = [("jax", env, None), ("host", host, None)]
-  if kernel_in_use():            # the jitted rollout with XLA's cache attention, beside it
+  if decoder.cache_kernel_enabled():            # the jitted rollout with XLA's cache attention, beside it
     runs.insert(1, ("jax_xla_attention", env, "xla"))
   for name, e, mode in runs:
     with attention_path(mode) if mode else contextlib.nullcontext():

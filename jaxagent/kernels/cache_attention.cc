@@ -115,9 +115,9 @@ void Pair(const float* q, const float* keys, const float* vals, int64_t n, int64
   Softmax(sc, r, n, m_out, den_out);
   // Values, kRows queries at a time: their accumulators stay in registers over all n slots.
   int64_t i0 = 0;
-  for (; i0 + kRows <= r; i0 += kRows) {
-    float a[kRows][HD > 0 ? HD : 1] = {};
-    if constexpr (HD > 0) {
+  if constexpr (HD > 0) {
+    for (; i0 + kRows <= r; i0 += kRows) {
+      float a[kRows][HD] = {};
       for (int64_t j = 0; j < n; ++j) {
         const float* vr = vals + j * HD;
 #pragma GCC unroll 4
@@ -130,11 +130,9 @@ void Pair(const float* q, const float* keys, const float* vals, int64_t n, int64
       for (int64_t ii = 0; ii < kRows; ++ii) {
         std::copy(a[ii], a[ii] + HD, acc_out + (i0 + ii) * HD);
       }
-    } else {
-      break;
     }
   }
-  for (int64_t i = i0; i < r; ++i) {
+  for (int64_t i = i0; i < r; ++i) {      // the rest, and head sizes without a variant
     float* acc = acc_out + i * hd;
     std::fill(acc, acc + hd, 0.0f);
     const float* p = sc + i * n;

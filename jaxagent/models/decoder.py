@@ -182,18 +182,22 @@ def _cache_attention(q, k_all, v_all, layer, length, scores, v, block: int):
 CACHE_ATTENTION_ENV = "JAXAGENT_CACHE_ATTENTION"
 
 
-def _use_kernel(q, k_all, v_all) -> bool:
+def cache_kernel_enabled() -> bool:
+  """Whether float32 one-query steps traced now take the CPU kernel (CACHE_ATTENTION_ENV)."""
   mode = os.environ.get(CACHE_ATTENTION_ENV, "auto").lower()
   if mode not in ("auto", "xla", "kernel"):
     raise ValueError(f"{CACHE_ATTENTION_ENV}={mode!r}: use auto, xla or kernel")
-  if mode == "xla" or q.shape[3] != 1 or jax.default_backend() != "cpu":
-    return False
-  if any(a.dtype != jnp.float32 for a in (q, k_all, v_all)):
+  if mode == "xla" or jax.default_backend() != "cpu":
     return False
   if mode == "kernel":
     cpu.load()                        # raises KernelUnavailable, saying why
     return True
   return jax.device_count() == 1 and cpu.available()
+
+
+def _use_kernel(q, k_all, v_all) -> bool:
+  return cache_kernel_enabled() and q.shape[3] == 1 and all(
+      a.dtype == jnp.float32 for a in (q, k_all, v_all))
 
 
 def _kernel_cache_attention(q, k_all, v_all, layer, length, scores, v):
@@ -206,7 +210,7 @@ def _kernel_cache_attention(q, k_all, v_all, layer, length, scores, v):
   p, fix = jnp.exp(scores - m), jnp.exp(mc - m)
   den = dc * fix + jnp.sum(p, axis=-1, keepdims=True)
   acc = ac.reshape(b, kh, g, l, hd) * fix + jnp.einsum(
-      "bkgls,bksd->bkgld", p, v.astype(jnp.float32), preferred_element_type=jnp.float32)
+      "bkgls,bksd->bkgld", p, v, preferred_element_type=jnp.float32)
   return (acc / den).astype(q.dtype)
 
 

@@ -124,9 +124,14 @@ def _resolve(coordinator_address, num_processes, process_id, env) -> Layout:
   return Layout("single", source="no multi-process layout given or detected")
 
 
-def _already_initialized() -> bool:
+def _client():
+  """The coordination service's client, or None before `jax.distributed.initialize`."""
   from jax._src import distributed as _dist   # no public query in this jax version
-  return getattr(_dist.global_state, "client", None) is not None
+  return getattr(_dist.global_state, "client", None)
+
+
+def _already_initialized() -> bool:
+  return _client() is not None
 
 
 def initialize(coordinator_address: str | None = None, num_processes: int | None = None,
@@ -172,15 +177,12 @@ _BARRIERS = {"count": 0}
 
 
 def barrier(name: str, timeout_s: float = 600.0) -> None:
-  """Blocks until every process reaches this call (a no-op for one process).
-
-  Put it before the first cross-process collective that follows uneven host work (a compile, a
-  checkpoint write): on CPU the gloo collectives give the other processes only 30 s to join
-  before failing with "Gloo context initialization failed: DEADLINE_EXCEEDED", while this waits
-  up to `timeout_s`. Every process must make the same sequence of barrier calls."""
-  if not _already_initialized() or jax.process_count() == 1:
+  """Blocks until every process reaches this call, for up to `timeout_s` (a no-op for one
+  process), on the coordination service: no device work. `initialize` uses it to put the
+  processes in step before joining gloo's context. Every process must make the same sequence
+  of barrier calls."""
+  client = _client()
+  if client is None or jax.process_count() == 1:
     return
-  from jax._src import distributed as _dist
   _BARRIERS["count"] += 1
-  _dist.global_state.client.wait_at_barrier(f"jaxagent/{_BARRIERS['count']}/{name}",
-                                            int(timeout_s * 1000))
+  client.wait_at_barrier(f"jaxagent/{_BARRIERS['count']}/{name}", int(timeout_s * 1000))
