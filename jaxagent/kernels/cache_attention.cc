@@ -1,4 +1,5 @@
-// Decode attention over a KV cache for XLA:CPU, read in place (built and called by cpu.py).
+// Attention over a KV cache for XLA:CPU (decode steps and prefill chunks), read in place (built
+// and called by cpu.py).
 //
 // For each row b, kv head k and query r (the G query heads x L chunk positions sharing that kv
 // head), over the row's valid slots s < length[b] of layer `layer`:
@@ -9,7 +10,9 @@
 //
 // XLA:CPU runs the same maths as a loop of 128-slot blocks, each a dynamic-slice copy and two
 // tiny batched products; here each (b, k) pair streams its keys and values once, straight from
-// the cache, and the pairs are shared out over XLA's intra-op thread pool.
+// the cache, a 64-slot tile at a time through register-tiled products (TiledPair; head sizes
+// 32, 64, 128, any other through a plain loop, Pair), and the pairs are shared out over XLA's
+// intra-op thread pool.
 
 #include <algorithm>
 #include <atomic>
@@ -69,17 +72,13 @@ void Softmax(float* sc, int64_t r, int64_t n, float* m_out, float* den_out) {
   }
 }
 
-constexpr int64_t kTile = 32;   // slots per score tile (two AVX-512 registers per query)
-constexpr int64_t kRows = 4;    // queries per pass over the values
+constexpr int64_t kTile = 32;   // slots per score tile of the generic path
 
-// One (b, k) pair: r queries q [r, hd], keys [hd, s] (slots contiguous), values [s, hd]; the
-// first n slots are valid. HD > 0 fixes the head size at compile time (registers hold a tile);
-// HD == 0 reads it from `hd`.
-template <int64_t HD>
-void Pair(const float* q, const float* keys, const float* vals, int64_t n, int64_t r,
-          int64_t hd_runtime, int64_t s, float scale, float* m_out, float* den_out,
-          float* acc_out, std::vector<float>& buf) {
-  const int64_t hd = HD > 0 ? HD : hd_runtime;
+// One (b, k) pair, any head size (the generic path): r queries q [r, hd], keys [hd, s] (slots
+// contiguous), values [s, hd]; the first n slots are valid.
+void Pair(const float* q, const float* keys, const float* vals, int64_t n, int64_t r, int64_t hd,
+          int64_t s, float scale, float* m_out, float* den_out, float* acc_out,
+          std::vector<float>& buf) {
   if (n <= 0) {
     std::fill(m_out, m_out + r, kNeg);
     std::fill(den_out, den_out + r, 0.0f);
@@ -113,26 +112,7 @@ void Pair(const float* q, const float* keys, const float* vals, int64_t n, int64
     }
   }
   Softmax(sc, r, n, m_out, den_out);
-  // Values, kRows queries at a time: their accumulators stay in registers over all n slots.
-  int64_t i0 = 0;
-  if constexpr (HD > 0) {
-    for (; i0 + kRows <= r; i0 += kRows) {
-      float a[kRows][HD] = {};
-      for (int64_t j = 0; j < n; ++j) {
-        const float* vr = vals + j * HD;
-#pragma GCC unroll 4
-        for (int64_t ii = 0; ii < kRows; ++ii) {
-          const float p = sc[(i0 + ii) * n + j];
-#pragma GCC unroll 128
-          for (int64_t d = 0; d < HD; ++d) a[ii][d] += p * vr[d];
-        }
-      }
-      for (int64_t ii = 0; ii < kRows; ++ii) {
-        std::copy(a[ii], a[ii] + HD, acc_out + (i0 + ii) * HD);
-      }
-    }
-  }
-  for (int64_t i = i0; i < r; ++i) {      // the rest, and head sizes without a variant
+  for (int64_t i = 0; i < r; ++i) {
     float* acc = acc_out + i * hd;
     std::fill(acc, acc + hd, 0.0f);
     const float* p = sc + i * n;
@@ -143,15 +123,172 @@ void Pair(const float* q, const float* keys, const float* vals, int64_t n, int64
   }
 }
 
+// The tiled path (head sizes 32, 64, 128): per tile of kTileC slots, the scores of RB queries
+// stay in registers over the head dimension (a small matrix product), then an online softmax per
+// query, then the values' product with RB2 queries' accumulators in registers over the tile. The
+// vectors are GCC's generic 16-float vectors (one AVX-512 register; two AVX2 ones elsewhere).
+typedef float V16 __attribute__((vector_size(64)));
+typedef float V16u __attribute__((vector_size(64), aligned(4), may_alias));   // unaligned access
+typedef int32_t I16 __attribute__((vector_size(64)));
+
+inline V16 Load(const float* p) { return *reinterpret_cast<const V16u*>(p); }
+inline void Store(float* p, V16 v) { *reinterpret_cast<V16u*>(p) = v; }
+inline V16 Splat(float x) { return V16{} + x; }
+
+// ExpNonPositive on 16 lanes (the same polynomial).
+inline V16 ExpV(V16 x) {
+  const V16 lo = Splat(-87.0f);
+  const V16 xc = x < lo ? lo : x;
+  const V16 magic = Splat(12582912.0f);      // 1.5 * 2^23: adding it rounds to an integer
+  const V16 n = (xc * 1.44269504088896341f + magic) - magic;
+  const V16 r = (xc - n * 0.693145751953125f) - n * 1.428606765330187045e-06f;
+  V16 p = Splat(1.0f / 720.0f);
+  p = p * r + 1.0f / 120.0f;
+  p = p * r + 1.0f / 24.0f;
+  p = p * r + 1.0f / 6.0f;
+  p = p * r + 0.5f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  const I16 bits = (__builtin_convertvector(n, I16) + 127) << 23;
+  const V16 e = p * reinterpret_cast<const V16&>(bits);
+  return x <= lo ? Splat(0.0f) : e;
+}
+
+inline float HMax(V16 v) {
+  float m = v[0];
+  for (int i = 1; i < 16; ++i) m = std::max(m, v[i]);
+  return m;
+}
+inline float HSum(V16 v) {
+  float s = 0.0f;
+  for (int i = 0; i < 16; ++i) s += v[i];
+  return s;
+}
+
+constexpr int64_t kTileC = 64;              // slots per tile
+constexpr int64_t kNV = kTileC / 16;        // vectors per query's tile of scores
+
+// sc[i, :] = qs[i, :] . kt[:, 0:kTileC] for queries [i0, r), RB at a time (then RB/2, ...);
+// kt's rows are ldk floats apart.
+template <int64_t HD, int64_t RB>
+void Scores(const float* qs, const float* kt, int64_t ldk, float* sc, int64_t i0, int64_t r) {
+  for (; i0 + RB <= r; i0 += RB) {
+    const float* qb = qs + i0 * HD;
+    V16 a[RB][kNV];
+    for (int64_t i = 0; i < RB; ++i) {
+      for (int64_t v = 0; v < kNV; ++v) a[i][v] = Splat(0.0f);
+    }
+    for (int64_t d = 0; d < HD; ++d) {
+      V16 kv[kNV];
+#pragma GCC unroll 4
+      for (int64_t v = 0; v < kNV; ++v) kv[v] = Load(kt + d * ldk + 16 * v);
+#pragma GCC unroll 8
+      for (int64_t i = 0; i < RB; ++i) {
+        const float qd = qb[i * HD + d];
+#pragma GCC unroll 4
+        for (int64_t v = 0; v < kNV; ++v) a[i][v] += qd * kv[v];
+      }
+    }
+    for (int64_t i = 0; i < RB; ++i) {
+      for (int64_t v = 0; v < kNV; ++v) Store(sc + (i0 + i) * kTileC + 16 * v, a[i][v]);
+    }
+  }
+  if constexpr (RB > 1) Scores<HD, RB / 2>(qs, kt, ldk, sc, i0, r);
+}
+
+// acc[i, :] += sum_j p[i, j] vals[j, :] over the tile's tn slots, for queries [i0, r), RB at a
+// time (then RB/2, ...).
+template <int64_t HD, int64_t RB>
+void Values(const float* p, const float* vals, int64_t tn, float* acc, int64_t i0, int64_t r) {
+  constexpr int64_t HV = HD / 16;
+  for (; i0 + RB <= r; i0 += RB) {
+    V16 a[RB][HV];
+    for (int64_t i = 0; i < RB; ++i) {
+      for (int64_t h = 0; h < HV; ++h) a[i][h] = Load(acc + (i0 + i) * HD + 16 * h);
+    }
+    for (int64_t j = 0; j < tn; ++j) {
+      V16 vv[HV];
+#pragma GCC unroll 8
+      for (int64_t h = 0; h < HV; ++h) vv[h] = Load(vals + j * HD + 16 * h);
+#pragma GCC unroll 8
+      for (int64_t i = 0; i < RB; ++i) {
+        const float pij = p[(i0 + i) * kTileC + j];
+#pragma GCC unroll 8
+        for (int64_t h = 0; h < HV; ++h) a[i][h] += pij * vv[h];
+      }
+    }
+    for (int64_t i = 0; i < RB; ++i) {
+      for (int64_t h = 0; h < HV; ++h) Store(acc + (i0 + i) * HD + 16 * h, a[i][h]);
+    }
+  }
+  if constexpr (RB > 1) Values<HD, RB / 2>(p, vals, tn, acc, i0, r);
+}
+
+// One (b, k) pair on the tiled path: the same contract as Pair.
+template <int64_t HD>
+void TiledPair(const float* q, const float* keys, const float* vals, int64_t n, int64_t r,
+               int64_t, int64_t s, float scale, float* m_out, float* den_out, float* acc_out,
+               std::vector<float>& buf) {
+  constexpr int64_t RB = 4;                              // score rows per register block
+  constexpr int64_t RB2 = HD >= 128 ? 2 : 128 / HD;      // value rows per register block
+  std::fill(m_out, m_out + r, kNeg);
+  std::fill(den_out, den_out + r, 0.0f);
+  std::fill(acc_out, acc_out + r * HD, 0.0f);
+  if (n <= 0) return;
+  buf.resize(r * HD + r * kTileC + HD * kTileC);
+  float* qs = buf.data();
+  float* sc = qs + r * HD;
+  float* ktail = sc + r * kTileC;
+  for (int64_t i = 0; i < r * HD; ++i) qs[i] = q[i] * scale;
+  for (int64_t j0 = 0; j0 < n; j0 += kTileC) {
+    const int64_t tn = std::min(kTileC, n - j0);
+    const float* kt = keys + j0;
+    int64_t ldk = s;
+    if (j0 + kTileC > s) {            // the tile would run past the capacity: a padded copy
+      for (int64_t d = 0; d < HD; ++d) {
+        std::copy(keys + d * s + j0, keys + d * s + j0 + tn, ktail + d * kTileC);
+        std::fill(ktail + d * kTileC + tn, ktail + (d + 1) * kTileC, 0.0f);
+      }
+      kt = ktail;
+      ldk = kTileC;
+    }
+    Scores<HD, RB>(qs, kt, ldk, sc, 0, r);
+    for (int64_t i = 0; i < r; ++i) {   // online softmax: rescale what came before
+      float* row = sc + i * kTileC;
+      std::fill(row + tn, row + kTileC, kNeg);
+      V16 mx = Load(row);
+      for (int64_t v = 1; v < kNV; ++v) {
+        const V16 x = Load(row + 16 * v);
+        mx = x > mx ? x : mx;
+      }
+      const float m_new = std::max(m_out[i], HMax(mx));
+      const float alpha = ExpNonPositive(m_out[i] - m_new);
+      V16 sum = Splat(0.0f);
+      for (int64_t v = 0; v < kNV; ++v) {
+        const V16 e = ExpV(Load(row + 16 * v) - m_new);
+        Store(row + 16 * v, e);
+        sum += e;
+      }
+      den_out[i] = den_out[i] * alpha + HSum(sum);
+      m_out[i] = m_new;
+      if (alpha != 1.0f) {
+        float* a = acc_out + i * HD;
+        for (int64_t d = 0; d < HD; ++d) a[d] *= alpha;
+      }
+    }
+    Values<HD, RB2>(sc, vals + j0 * HD, tn, acc_out, 0, r);
+  }
+}
+
 using PairFn = void (*)(const float*, const float*, const float*, int64_t, int64_t, int64_t,
                         int64_t, float, float*, float*, float*, std::vector<float>&);
 
 PairFn PickPair(int64_t hd) {
   switch (hd) {
-    case 32: return Pair<32>;
-    case 64: return Pair<64>;
-    case 128: return Pair<128>;
-    default: return Pair<0>;
+    case 32: return TiledPair<32>;
+    case 64: return TiledPair<64>;
+    case 128: return TiledPair<128>;
+    default: return Pair;
   }
 }
 

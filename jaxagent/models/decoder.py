@@ -164,9 +164,10 @@ def _cache_attention(q, k_all, v_all, layer, length, scores, v, block: int):
     cache's capacity, and no layer's cache is ever copied whole;
   * dense (block >= S): one masked product over the whole cache (no loop; cheaper when the
     capacity is about the context in use);
-  * kernel (XLA:CPU, one query per row, float32): a compiled custom call reads each row's valid
-    slots in place (`jaxagent.kernels.cpu`; 2.5x the blocks on the benchmark machine). It is
-    chosen by `_use_kernel`, see CACHE_ATTENTION_ENV.
+  * kernel (XLA:CPU, float32; one query per row, or chunks at head sizes 32/64/128): a compiled
+    custom call reads each row's valid slots in place (`jaxagent.kernels.cpu`; 3.6x the blocks
+    for decode steps, 2.8x for 32-query chunks on the benchmark machine). It is chosen by
+    `_use_kernel`, see CACHE_ATTENTION_ENV.
   """
   if _use_kernel(q, k_all, v_all):
     return _kernel_cache_attention(q, k_all, v_all, layer, length, scores, v)
@@ -176,14 +177,16 @@ def _cache_attention(q, k_all, v_all, layer, length, scores, v, block: int):
   return _blocked_cache_attention(q, k_all, v_all, layer, length, scores, v, block)
 
 
-# Which path reads the cache on CPU: "auto" (default) takes the kernel for decode steps when the
-# program runs on one CPU device and the kernel builds; "xla" never; "kernel" wherever it applies
-# (one query per row, float32, CPU), on any number of devices, and fails if it cannot build.
+# Which path reads the cache on CPU: "auto" (default) takes the kernel when the program runs on
+# one CPU device and the kernel builds; "xla" never; "kernel" wherever it applies (float32 on CPU:
+# one-query steps, and chunks at the kernel's tiled head sizes), on any number of devices, and
+# fails if it cannot build.
 CACHE_ATTENTION_ENV = "JAXAGENT_CACHE_ATTENTION"
 
 
 def cache_kernel_enabled() -> bool:
-  """Whether float32 one-query steps traced now take the CPU kernel (CACHE_ATTENTION_ENV)."""
+  """Whether float32 cache attention traced now takes the CPU kernel (CACHE_ATTENTION_ENV);
+  `_use_kernel` adds the shapes it applies to."""
   mode = os.environ.get(CACHE_ATTENTION_ENV, "auto").lower()
   if mode not in ("auto", "xla", "kernel"):
     raise ValueError(f"{CACHE_ATTENTION_ENV}={mode!r}: use auto, xla or kernel")
@@ -196,8 +199,10 @@ def cache_kernel_enabled() -> bool:
 
 
 def _use_kernel(q, k_all, v_all) -> bool:
-  return cache_kernel_enabled() and q.shape[3] == 1 and all(
-      a.dtype == jnp.float32 for a in (q, k_all, v_all))
+  """q [B, K, G, L, hd]: chunks (L > 1) only where the kernel has its tiled path for hd."""
+  shape_ok = q.shape[3] == 1 or q.shape[4] in cpu.TILED_HEAD_SIZES
+  return shape_ok and all(a.dtype == jnp.float32 for a in (q, k_all, v_all)) and \
+      cache_kernel_enabled()
 
 
 def _kernel_cache_attention(q, k_all, v_all, layer, length, scores, v):

@@ -30,14 +30,18 @@ def _reference(q, k, v, length):
   return np.where(np.isinf(m), -1e30, m), p.sum(-1), np.einsum("bkrs,bksd->bkrd", p, v)
 
 
-@pytest.mark.parametrize("hd, r", [(32, 2), (64, 5), (128, 1), (24, 3)])
+# Head sizes 32, 64 and 128 take the register-tiled path (r = 64: a 32-query chunk of 2 query
+# heads; 13 and 7 leave remainders of every register block size); 24 the generic one.
+@pytest.mark.parametrize("hd, r", [(32, 2), (64, 5), (128, 1), (24, 3), (32, 64), (64, 13),
+                                   (128, 7), (24, 9)])
 def test_partials_equal_float64_reference(hd, r):
   rng = np.random.default_rng(hd + r)
-  layers, b, kh, s = 3, 6, 2, 77          # S not a multiple of the kernel's 32-slot tiles
+  layers, b, kh, s = 3, 9, 2, 77          # S not a multiple of the 64-slot (or 32-slot) tiles
   q = rng.normal(size=(b, kh, r, hd)).astype(np.float32)
   k_all = rng.normal(size=(layers, b, kh, hd, s)).astype(np.float32)
   v_all = rng.normal(size=(layers, b, kh, s, hd)).astype(np.float32)
-  length = np.array([0, 1, 31, 32, 64, s], np.int32)         # empty, tiny, tile edges, full
+  # Empty, tiny, the tiles' edges, and full (its last tile runs past the capacity).
+  length = np.array([0, 1, 31, 32, 63, 64, 65, 76, s], np.int32)
   for layer in (0, 2):
     m, den, acc = jax.jit(cpu.cache_attention_partials)(q, k_all, v_all, layer, length)
     rm, rden, racc = _reference(q, k_all[layer], v_all[layer], length)
@@ -95,12 +99,40 @@ def test_decoder_kernel_path_equals_blocked_and_dense(micro, monkeypatch):
                                rtol=1e-5, atol=1e-5)
 
 
+def _chunk_logits(policy, mode, monkeypatch, block):
+  """Logits of a ragged 9-token chunk prefilled after a ragged prompt (observation prefill)."""
+  monkeypatch.setenv(decoder.CACHE_ATTENTION_ENV, mode)
+  cfg, params = policy.config, policy.params
+  b, cap = 5, 48
+  rng = np.random.default_rng(1)
+  cache = decoder.init_cache(cfg, b, cap)
+  prompt = jnp.asarray(rng.integers(3, cfg.vocab_size, size=(b, 30)), jnp.int32)
+  _, cache = decoder.apply(cfg, params, prompt, cache=cache,
+                           chunk_lens=jnp.array([0, 3, 17, 30, 30], jnp.int32), cache_block=block)
+  chunk = jnp.asarray(rng.integers(3, cfg.vocab_size, size=(b, 9)), jnp.int32)
+  lens = jnp.array([9, 0, 4, 9, 1], jnp.int32)
+  step = jax.jit(lambda p, t, c: decoder.apply(cfg, p, t, cache=c, chunk_lens=lens,
+                                               cache_block=block)[0])
+  out = np.asarray(step(params, chunk, cache))
+  return np.where((np.arange(9)[None, :] < np.asarray(lens)[:, None])[..., None], out, 0.0)
+
+
+def test_decoder_kernel_chunks_equal_blocked_and_dense(micro, monkeypatch):
+  kernel = _chunk_logits(micro, "kernel", monkeypatch, 16)
+  for block in (16, 48):
+    np.testing.assert_allclose(kernel, _chunk_logits(micro, "xla", monkeypatch, block),
+                               rtol=1e-5, atol=1e-5)
+
+
 def test_path_choice(monkeypatch):
   q = jnp.zeros((2, 2, 2, 1, 32))
   k, v = jnp.zeros((1, 2, 2, 32, 8)), jnp.zeros((1, 2, 2, 8, 32))
   monkeypatch.setenv(decoder.CACHE_ATTENTION_ENV, "kernel")
   assert decoder._use_kernel(q, k, v)
-  assert not decoder._use_kernel(jnp.zeros((2, 2, 2, 3, 32)), k, v)   # chunks: XLA's products
+  assert decoder._use_kernel(jnp.zeros((2, 2, 2, 3, 32)), k, v)      # a chunk, a tiled head size
+  k24, v24 = jnp.zeros((1, 2, 2, 24, 8)), jnp.zeros((1, 2, 2, 8, 24))
+  assert decoder._use_kernel(jnp.zeros((2, 2, 2, 1, 24)), k24, v24)   # the generic loop: steps
+  assert not decoder._use_kernel(jnp.zeros((2, 2, 2, 3, 24)), k24, v24)   # ... not chunks
   assert not decoder._use_kernel(q.astype(jnp.bfloat16), k.astype(jnp.bfloat16),
                                  v.astype(jnp.bfloat16))
   monkeypatch.setenv(decoder.CACHE_ATTENTION_ENV, "auto")
