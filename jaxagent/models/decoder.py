@@ -198,15 +198,23 @@ def cache_kernel_enabled() -> bool:
   return jax.device_count() == 1 and cpu.available()
 
 
-def _use_kernel(q, k_all, v_all) -> bool:
-  """q [B, K, G, L, hd]: chunks (L > 1) only where the kernel has its tiled path for hd."""
-  shape_ok = q.shape[3] == 1 or q.shape[4] in cpu.TILED_HEAD_SIZES
+def _use_kernel(q, k_all, v_all, chunk: bool = False) -> bool:
+  """q [B, K, G, L, hd]: chunks (L > 1, or `chunk`) only where the kernel has its tiled path
+  for hd."""
+  shape_ok = (q.shape[3] == 1 and not chunk) or q.shape[4] in cpu.TILED_HEAD_SIZES
   return shape_ok and all(a.dtype == jnp.float32 for a in (q, k_all, v_all)) and \
       cache_kernel_enabled()
 
 
 def _kernel_cache_attention(q, k_all, v_all, layer, length, scores, v):
   """The kernel's softmax partials over the cache, merged with the chunk's own scores."""
+  return _kernel_block(q, k_all, v_all, layer, length, scores, v)[0].astype(q.dtype)
+
+
+def _kernel_block(q, k_all, v_all, layer, length, scores, v):
+  """(out float32, m, den) [B, K, G, L, hd | 1]: the kernel's partials over slots [0, length)
+  merged with the chunk's own masked scores [B, K, G, L, L] and values v; m and den are the
+  softmax's max and sum over every key the queries see."""
   b, kh, g, l, hd = q.shape
   mc, dc, ac = cpu.cache_attention_partials(q.reshape(b, kh, g * l, hd), k_all, v_all, layer,
                                             length)
@@ -216,7 +224,7 @@ def _kernel_cache_attention(q, k_all, v_all, layer, length, scores, v):
   den = dc * fix + jnp.sum(p, axis=-1, keepdims=True)
   acc = ac.reshape(b, kh, g, l, hd) * fix + jnp.einsum(
       "bkgls,bksd->bkgld", p, v, preferred_element_type=jnp.float32)
-  return (acc / den).astype(q.dtype)
+  return acc / den, m, den
 
 
 def _dense_cache_attention(q, k_all, v_all, layer, length, scores, v):
@@ -267,10 +275,15 @@ def _blocked_cache_attention(q, k_all, v_all, layer, length, scores, v, block: i
   return (acc / den).astype(dt)
 
 
-def causal_attention(q, k, v, mask_bls, block: int):
+def causal_attention(q, k, v, mask_bls, block: int, key_lengths=None):
   """Softmax attention of q [B, K, G, L, hd] over k, v [B, K, L, hd] under a causal `mask_bls`
   [B, L, L] (query l may see key j only if j <= l), in blocks of `block` queries (static; 0 or
   >= L: one product, differentiated by autodiff).
+
+  key_lengths [B] (optional) says the mask is exactly `causal & (key j < key_lengths[b])` (right
+  padding). Then, where the CPU kernel applies (`_use_kernel`), each query block's forward reads
+  the keys before the block in place with the kernel and only the block's own [block, block]
+  scores go through XLA (`_kernel_block`); the gradient is the same written-out one.
 
   Query block i attends only the keys [0, end of block i): the causal mask hides the rest, so the
   blocks skip about half of the L x L scores, and the [B, K, G, L, L] scores and probabilities
@@ -285,7 +298,9 @@ def causal_attention(q, k, v, mask_bls, block: int):
   if block <= 0 or block >= l:
     probs = jax.nn.softmax(_block_scores(q, k, mask_bls, 0, l), axis=-1).astype(q.dtype)
     return jnp.einsum("bkgls,bksd->bkgld", probs, v)
-  return _blocked_attention(q, k, v, mask_bls, block)
+  if key_lengths is None or not _use_kernel(q, k, v, chunk=True):
+    key_lengths = None
+  return _blocked_attention(q, k, v, mask_bls, key_lengths, block)
 
 
 def _query_blocks(l: int, block: int):
@@ -301,15 +316,24 @@ def _block_scores(q, k, mask_bls, start, end):
   return jnp.where(mask_bls[:, None, None, start:end, :end], sc * (hd ** -0.5), _NEG)
 
 
-def _blocked_attention_fwd(q, k, v, mask_bls, block):
+def _blocked_attention_fwd(q, k, v, mask_bls, key_lengths, block):
   outs, maxes, dens = [], [], []
+  if key_lengths is not None:        # the kernel's layout: one "layer" of keys slots-last
+    k_all, v_all = k.transpose(0, 1, 3, 2)[None], v[None]
   for start, end in _query_blocks(q.shape[3], block):
-    sc = _block_scores(q, k, mask_bls, start, end)
-    m = jnp.max(sc, axis=-1, keepdims=True)
-    p = jnp.exp(sc - m)
-    den = jnp.sum(p, axis=-1, keepdims=True)
-    o = jnp.einsum("bkgls,bksd->bkgld", p.astype(q.dtype), v[:, :, :end],
-                   preferred_element_type=jnp.float32) / den
+    if key_lengths is not None and start > 0:
+      qb = q[:, :, :, start:end]
+      o, m, den = _kernel_block(qb, k_all, v_all, 0, jnp.minimum(key_lengths, start),
+                                _block_scores(qb, k[:, :, start:end],
+                                              mask_bls[:, start:end, start:end], 0, end - start),
+                                v[:, :, start:end])
+    else:
+      sc = _block_scores(q, k, mask_bls, start, end)
+      m = jnp.max(sc, axis=-1, keepdims=True)
+      p = jnp.exp(sc - m)
+      den = jnp.sum(p, axis=-1, keepdims=True)
+      o = jnp.einsum("bkgls,bksd->bkgld", p.astype(q.dtype), v[:, :, :end],
+                     preferred_element_type=jnp.float32) / den
     outs.append(o.astype(q.dtype))
     maxes.append(m)                                                 # [B, K, G, l, 1]
     dens.append(den)
@@ -341,19 +365,19 @@ def _blocked_attention_bwd(block, res, d_out):
     dk = dk.at[:, :, :end].add(jnp.einsum("bkgls,bkgld->bksd", ds, q[:, :, :, start:end],
                                           preferred_element_type=jnp.float32))
   dq = jnp.concatenate(dq_blocks, axis=3)
-  return dq.astype(dt), dk.astype(k.dtype), dv.astype(v.dtype), None
+  return dq.astype(dt), dk.astype(k.dtype), dv.astype(v.dtype), None, None
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _blocked_attention(q, k, v, mask_bls, block):
-  return _blocked_attention_fwd(q, k, v, mask_bls, block)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _blocked_attention(q, k, v, mask_bls, key_lengths, block):
+  return _blocked_attention_fwd(q, k, v, mask_bls, key_lengths, block)[0]
 
 
 _blocked_attention.defvjp(_blocked_attention_fwd, _blocked_attention_bwd)
 
 
 def _layer(cfg: ModelConfig, x_bld, p, cos, sin, mask_bls, cache=None, layer=None,
-           cache_block: int = 0, query_block: int = 0):
+           cache_block: int = 0, query_block: int = 0, key_lengths=None):
   """One block. Returns (x, k, v) with this chunk's keys/values k, v [B, kv_heads, L, hd].
 
   Queries attend the chunk under `mask_bls` [B, L, L] and, with a `cache`, its valid slots too
@@ -378,7 +402,7 @@ def _layer(cfg: ModelConfig, x_bld, p, cos, sin, mask_bls, cache=None, layer=Non
   groups = nh // cfg.num_kv_heads
   q = q.reshape(b, l, cfg.num_kv_heads, groups, hd).transpose(0, 2, 3, 1, 4)   # [B, K, G, L, hd]
   if cache is None:
-    attn = causal_attention(q, k, v, mask_bls, query_block)
+    attn = causal_attention(q, k, v, mask_bls, query_block, key_lengths)
   else:
     scores = _block_scores(q, k, mask_bls, 0, l)
     attn = _cache_attention(q, cache.k, cache.v, layer, cache.length, scores, v, cache_block)
@@ -428,8 +452,9 @@ swiglu.defvjp(_swiglu_fwd, _swiglu_bwd)
 
 
 def apply(cfg: ModelConfig, params: dict, tokens, positions=None, *, attention_mask=None,
-          cache: KVCache | None = None, chunk_lens=None, return_hidden: bool = False,
-          cache_block: int = CACHE_BLOCK, query_block: int = QUERY_BLOCK):
+          lengths=None, cache: KVCache | None = None, chunk_lens=None,
+          return_hidden: bool = False, cache_block: int = CACHE_BLOCK,
+          query_block: int = QUERY_BLOCK):
   """Runs the decoder.
 
   Args:
@@ -439,6 +464,9 @@ def apply(cfg: ModelConfig, params: dict, tokens, positions=None, *, attention_m
       tokens (cumsum(attention_mask) - 1, so left or right padding both work); with a cache,
       cache.length[b] + l.
     attention_mask: [B, L], 1 on real tokens (no-cache mode only).
+    lengths: [B] int32, instead of attention_mask for right-padded rows (no-cache mode only):
+      the mask is `arange(L) < lengths`, and the attention may read keys in place with the CPU
+      kernel (`causal_attention`).
     cache: a `KVCache` to extend; tokens must be right-padded with `chunk_lens[b]` real tokens.
       Slots past the capacity are dropped (the caller keeps length + L <= capacity).
     chunk_lens: [B] int32, real tokens per row in this chunk (cache mode; default L).
@@ -454,10 +482,16 @@ def apply(cfg: ModelConfig, params: dict, tokens, positions=None, *, attention_m
   idx = jnp.arange(l)
   causal = idx[None, :, None] >= idx[None, None, :]                          # [1, L(q), L(k)]
   if cache is None:
+    if lengths is not None:
+      if attention_mask is not None:
+        raise ValueError("pass attention_mask or lengths, not both")
+      attention_mask = idx[None, :] < lengths[:, None]
     valid = jnp.ones((b, l), bool) if attention_mask is None else attention_mask.astype(bool)
     if positions is None:
       positions = jnp.maximum(jnp.cumsum(valid.astype(jnp.int32), axis=1) - 1, 0)
     mask = causal & valid[:, None, :]                                         # [B, L, L]
+    key_lengths = lengths if lengths is not None else (
+        jnp.full((b,), l, jnp.int32) if attention_mask is None else None)
   else:
     if chunk_lens is None:
       chunk_lens = jnp.full((b,), l, jnp.int32)
@@ -470,7 +504,8 @@ def apply(cfg: ModelConfig, params: dict, tokens, positions=None, *, attention_m
   if cache is None:
     def body(x, p):
       x = constrain_batch(x)
-      x, _, _ = _layer(cfg, x, p, cos, sin, mask, query_block=query_block)
+      x, _, _ = _layer(cfg, x, p, cos, sin, mask, query_block=query_block,
+                       key_lengths=key_lengths)
       return x, None
 
     x, _ = jax.lax.scan(body, x, params["layers"])

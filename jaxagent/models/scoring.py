@@ -27,7 +27,8 @@ def _chunked_scores(cfg: ModelConfig, params, tokens, length, temperature, chunk
   """
   b, l = tokens.shape
   mask = jnp.arange(l)[None, :] < length[:, None]
-  hidden, _ = decoder.apply(cfg, params, tokens, attention_mask=mask, return_hidden=True)
+  hidden, _ = decoder.apply(cfg, params, tokens, lengths=length.astype(jnp.int32),
+                            return_hidden=True)
   h = hidden[:, :-1]                       # predicts tokens[:, 1:]
   tgt = tokens[:, 1:]
   n = l - 1

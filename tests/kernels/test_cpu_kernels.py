@@ -13,7 +13,7 @@ import pytest
 import jaxagent.envs as envs
 from jaxagent.kernels import cpu
 from jaxagent.models import decoder, from_pretrained
-from jaxagent.models.scoring import score
+from jaxagent.models.scoring import score, token_logprobs
 from jaxagent.rollout import rollout
 
 
@@ -187,3 +187,40 @@ def test_rollout_with_the_kernel_equals_xla(name, micro, monkeypatch):
   assert mask.sum() > 20
   rescored = np.asarray(score(micro, b, temperature=1.0))
   np.testing.assert_allclose(rescored[mask], np.asarray(b.behaviour_logprobs)[mask], atol=1e-5)
+
+
+def _scores_and_grads(policy, mode, monkeypatch):
+  """Log-probs and their gradient wrt the parameters, three right-padded rows of up to 300
+  tokens (query blocks of 128: [0, 128), [128, 256), [256, 300))."""
+  monkeypatch.setenv(decoder.CACHE_ATTENTION_ENV, mode)
+  cfg = policy.config
+  rng = np.random.default_rng(2)
+  tokens = jnp.asarray(rng.integers(3, cfg.vocab_size, size=(3, 300)), jnp.int32)
+  length = jnp.array([300, 170, 5], jnp.int32)
+
+  def loss(params):
+    lp = token_logprobs(cfg, params, tokens, length)
+    return jnp.sum(lp * jnp.linspace(0.5, 1.5, 300)), lp
+
+  (_, lp), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(policy.params)
+  return np.asarray(lp), grads
+
+
+def test_scoring_and_its_gradient_with_the_kernel_equal_xla(micro, monkeypatch):
+  """The causal attention without a cache (the update's passes) reads the keys before each query
+  block with the kernel when rows are right-padded (`apply(lengths=...)`)."""
+  lp_k, g_k = _scores_and_grads(micro, "kernel", monkeypatch)
+  lp_x, g_x = _scores_and_grads(micro, "xla", monkeypatch)
+  np.testing.assert_allclose(lp_k, lp_x, rtol=1e-5, atol=1e-5)
+  assert np.all(lp_k[2, 5:] == 0) and np.all(lp_k[1, 170:] == 0)
+  for a, b in zip(jax.tree.leaves(g_k), jax.tree.leaves(g_x)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)
+
+
+def test_the_kernel_is_in_the_scoring_program(micro, monkeypatch):
+  cfg = micro.config
+  tokens, length = jnp.zeros((2, 300), jnp.int32), jnp.array([300, 9], jnp.int32)
+  for mode, calls in (("kernel", True), ("xla", False)):
+    monkeypatch.setenv(decoder.CACHE_ATTENTION_ENV, mode)
+    text = jax.jit(lambda p: token_logprobs(cfg, p, tokens, length)).lower(micro.params).as_text()
+    assert ("jaxagent_cache_attention" in text) == calls
