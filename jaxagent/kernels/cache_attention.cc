@@ -31,20 +31,27 @@ namespace {
 
 constexpr float kNeg = -1e30f;
 
-// exp(x) for x <= 0 (the softmax's shifted scores), written so that the compiler vectorises the
-// loops that call it: 2^n * p(r) with x = n ln2 + r, |r| <= ln2/2, and a degree-6 polynomial
-// (relative error ~2e-7, about std::exp's float rounding). Below -87 it returns 0.
-inline float ExpNonPositive(float x) {
-  x = std::max(x, -87.0f);
-  const float n = __builtin_roundevenf(x * 1.44269504088896341f);
-  const float r = (x - n * 0.693145751953125f) - n * 1.428606765330187045e-06f;
-  float p = 1.0f / 720.0f;
+// exp(x) = 2^n * p(r) with x = n ln2 + r, |r| <= ln2/2 (n = x / ln2 rounded) and p a degree-6
+// polynomial (relative error ~2e-7, about std::exp's float rounding): p(r) for a float or for a
+// vector of floats alike.
+template <typename T>
+inline T ExpPoly(T x, T n) {
+  const T r = (x - n * 0.693145751953125f) - n * 1.428606765330187045e-06f;
+  T p = T{} + 1.0f / 720.0f;
   p = p * r + 1.0f / 120.0f;
   p = p * r + 1.0f / 24.0f;
   p = p * r + 1.0f / 6.0f;
   p = p * r + 0.5f;
   p = p * r + 1.0f;
-  p = p * r + 1.0f;
+  return p * r + 1.0f;
+}
+
+// exp(x) for x <= 0 (the softmax's shifted scores), written so that the compiler vectorises the
+// loops that call it. Below -87 it returns 0.
+inline float ExpNonPositive(float x) {
+  x = std::max(x, -87.0f);
+  const float n = __builtin_roundevenf(x * 1.44269504088896341f);
+  const float p = ExpPoly(x, n);
   int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
   float scale;
   __builtin_memcpy(&scale, &bits, sizeof(scale));
@@ -135,20 +142,13 @@ inline V16 Load(const float* p) { return *reinterpret_cast<const V16u*>(p); }
 inline void Store(float* p, V16 v) { *reinterpret_cast<V16u*>(p) = v; }
 inline V16 Splat(float x) { return V16{} + x; }
 
-// ExpNonPositive on 16 lanes (the same polynomial).
+// ExpNonPositive on 16 lanes.
 inline V16 ExpV(V16 x) {
   const V16 lo = Splat(-87.0f);
   const V16 xc = x < lo ? lo : x;
   const V16 magic = Splat(12582912.0f);      // 1.5 * 2^23: adding it rounds to an integer
   const V16 n = (xc * 1.44269504088896341f + magic) - magic;
-  const V16 r = (xc - n * 0.693145751953125f) - n * 1.428606765330187045e-06f;
-  V16 p = Splat(1.0f / 720.0f);
-  p = p * r + 1.0f / 120.0f;
-  p = p * r + 1.0f / 24.0f;
-  p = p * r + 1.0f / 6.0f;
-  p = p * r + 0.5f;
-  p = p * r + 1.0f;
-  p = p * r + 1.0f;
+  const V16 p = ExpPoly(xc, n);
   const I16 bits = (__builtin_convertvector(n, I16) + 127) << 23;
   const V16 e = p * reinterpret_cast<const V16&>(bits);
   return x <= lo ? Splat(0.0f) : e;

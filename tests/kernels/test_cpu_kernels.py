@@ -78,18 +78,28 @@ def micro():
   return from_pretrained("builtin:micro")
 
 
-def _decode_logits(policy, mode, monkeypatch, block):
+def _logits_after_prompt(policy, mode, monkeypatch, block, prompt_lens, chunk_lens, cap):
+  """Logits of a ragged chunk (one token per row: a decode step; more: observation prefill)
+  appended to a cache that holds a ragged prompt; positions past a row's chunk are zeroed."""
   monkeypatch.setenv(decoder.CACHE_ATTENTION_ENV, mode)
   cfg, params = policy.config, policy.params
-  b, cap = 5, 40
+  b, width = len(prompt_lens), max(chunk_lens)
   rng = np.random.default_rng(0)
   cache = decoder.init_cache(cfg, b, cap)
-  prompt = jnp.asarray(rng.integers(3, cfg.vocab_size, size=(b, 24)), jnp.int32)
-  lens = jnp.array([0, 1, 7, 24, 24], jnp.int32)           # ragged; one row with no context
-  _, cache = decoder.apply(cfg, params, prompt, cache=cache, chunk_lens=lens, cache_block=block)
-  tok = jnp.asarray(rng.integers(3, cfg.vocab_size, size=(b, 1)), jnp.int32)
-  step = jax.jit(lambda p, t, c: decoder.apply(cfg, p, t, cache=c, cache_block=block)[0])
-  return np.asarray(step(params, tok, cache))
+  prompt = jnp.asarray(rng.integers(3, cfg.vocab_size, size=(b, max(prompt_lens))), jnp.int32)
+  _, cache = decoder.apply(cfg, params, prompt, cache=cache,
+                           chunk_lens=jnp.asarray(prompt_lens, jnp.int32), cache_block=block)
+  chunk = jnp.asarray(rng.integers(3, cfg.vocab_size, size=(b, width)), jnp.int32)
+  lens = jnp.asarray(chunk_lens, jnp.int32)
+  step = jax.jit(lambda p, t, c: decoder.apply(cfg, p, t, cache=c, chunk_lens=lens,
+                                               cache_block=block)[0])
+  out = np.asarray(step(params, chunk, cache))
+  return np.where((np.arange(width)[None, :] < np.asarray(lens)[:, None])[..., None], out, 0.0)
+
+
+def _decode_logits(policy, mode, monkeypatch, block):
+  # Ragged prompts, one row with no context; a one-token step on every row.
+  return _logits_after_prompt(policy, mode, monkeypatch, block, [0, 1, 7, 24, 24], [1] * 5, 40)
 
 
 def test_decoder_kernel_path_equals_blocked_and_dense(micro, monkeypatch):
@@ -100,21 +110,9 @@ def test_decoder_kernel_path_equals_blocked_and_dense(micro, monkeypatch):
 
 
 def _chunk_logits(policy, mode, monkeypatch, block):
-  """Logits of a ragged 9-token chunk prefilled after a ragged prompt (observation prefill)."""
-  monkeypatch.setenv(decoder.CACHE_ATTENTION_ENV, mode)
-  cfg, params = policy.config, policy.params
-  b, cap = 5, 48
-  rng = np.random.default_rng(1)
-  cache = decoder.init_cache(cfg, b, cap)
-  prompt = jnp.asarray(rng.integers(3, cfg.vocab_size, size=(b, 30)), jnp.int32)
-  _, cache = decoder.apply(cfg, params, prompt, cache=cache,
-                           chunk_lens=jnp.array([0, 3, 17, 30, 30], jnp.int32), cache_block=block)
-  chunk = jnp.asarray(rng.integers(3, cfg.vocab_size, size=(b, 9)), jnp.int32)
-  lens = jnp.array([9, 0, 4, 9, 1], jnp.int32)
-  step = jax.jit(lambda p, t, c: decoder.apply(cfg, p, t, cache=c, chunk_lens=lens,
-                                               cache_block=block)[0])
-  out = np.asarray(step(params, chunk, cache))
-  return np.where((np.arange(9)[None, :] < np.asarray(lens)[:, None])[..., None], out, 0.0)
+  # A ragged 9-token chunk (one row empty) after ragged prompts: observation prefill.
+  return _logits_after_prompt(policy, mode, monkeypatch, block, [0, 3, 17, 30, 30],
+                              [9, 0, 4, 9, 1], 48)
 
 
 def test_decoder_kernel_chunks_equal_blocked_and_dense(micro, monkeypatch):
