@@ -265,7 +265,7 @@ def peer_section(base, repeats: int, workdir, episodes: int = PEER_EPISODES,
   secs, traj = _timed(_rollout_fn(policy, env, tasks, 1, turns, PEER_TOKENS), repeats)
   jax_row = _rollout_row(secs, traj, episodes)
   xla_row = None
-  if decoder.cache_kernel_enabled():                  # the same rollout with XLA's cache attention, beside it
+  if decoder.cache_kernel_enabled():      # the same rollout with XLA's cache attention, beside it
     with attention_path("xla"):
       xla_secs, xla_traj = _timed(_rollout_fn(policy, env, tasks, 1, turns, PEER_TOKENS),
                                   repeats)
@@ -719,7 +719,7 @@ def main(argv):
                      "backend": jax.default_backend(), "jax": jax.__version__}}
   rollouts = {}
   runs = [("jax", env, None), ("host", host, None)]
-  if decoder.cache_kernel_enabled():            # the jitted rollout with XLA's cache attention, beside it
+  if decoder.cache_kernel_enabled():      # the jitted rollout with XLA's cache attention beside it
     runs.insert(1, ("jax_xla_attention", env, "xla"))
   for name, e, mode in runs:
     with attention_path(mode) if mode else contextlib.nullcontext():

@@ -482,16 +482,15 @@ def apply(cfg: ModelConfig, params: dict, tokens, positions=None, *, attention_m
   idx = jnp.arange(l)
   causal = idx[None, :, None] >= idx[None, None, :]                          # [1, L(q), L(k)]
   if cache is None:
-    if lengths is not None:
-      if attention_mask is not None:
-        raise ValueError("pass attention_mask or lengths, not both")
+    if lengths is not None and attention_mask is not None:
+      raise ValueError("pass attention_mask or lengths, not both")
+    if attention_mask is None:       # right-padded rows (no mask: every row is full)
+      lengths = jnp.full((b,), l, jnp.int32) if lengths is None else lengths
       attention_mask = idx[None, :] < lengths[:, None]
-    valid = jnp.ones((b, l), bool) if attention_mask is None else attention_mask.astype(bool)
+    valid = attention_mask.astype(bool)
     if positions is None:
       positions = jnp.maximum(jnp.cumsum(valid.astype(jnp.int32), axis=1) - 1, 0)
     mask = causal & valid[:, None, :]                                         # [B, L, L]
-    key_lengths = lengths if lengths is not None else (
-        jnp.full((b,), l, jnp.int32) if attention_mask is None else None)
   else:
     if chunk_lens is None:
       chunk_lens = jnp.full((b,), l, jnp.int32)
@@ -505,7 +504,7 @@ def apply(cfg: ModelConfig, params: dict, tokens, positions=None, *, attention_m
     def body(x, p):
       x = constrain_batch(x)
       x, _, _ = _layer(cfg, x, p, cos, sin, mask, query_block=query_block,
-                       key_lengths=key_lengths)
+                       key_lengths=lengths)
       return x, None
 
     x, _ = jax.lax.scan(body, x, params["layers"])
