@@ -300,30 +300,33 @@ struct Work {
   std::condition_variable cv;
 };
 
-ffi::Error CacheAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
-                              ffi::Buffer<ffi::F32> k_all, ffi::Buffer<ffi::F32> v_all,
-                              ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> length,
-                              ffi::ResultBuffer<ffi::F32> m, ffi::ResultBuffer<ffi::F32> den,
-                              ffi::ResultBuffer<ffi::F32> acc, float scale) {
-  auto kd = k_all.dimensions();
+// k [Ly, B, K, hd, S] and v [Ly, B, K, S, hd].
+bool CacheShapes(ffi::Span<const int64_t> kd, ffi::Span<const int64_t> vd) {
+  return kd.size() == 5 && vd.size() == 5 && kd[0] == vd[0] && kd[1] == vd[1] &&
+         kd[2] == vd[2] && kd[3] == vd[4] && kd[4] == vd[3];
+}
+
+// The partials of layer `li` over slots [0, length[b]) for every (b, k) pair, shared out over
+// the pool. With `knew`/`vnew` ([B, K, L, hd]), each pair then writes its chunk's L keys and
+// values into slots [length[b], length[b] + L) of kout/vout (slots past the capacity are dropped),
+// so a layer's read and its cache write are one pass and one custom call.
+ffi::Error Run(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& q, const float* k_all,
+               const float* v_all, ffi::Span<const int64_t> kd, int32_t li, const int32_t* len, float* mo,
+               float* dno, float* ao, float scale, const float* knew, const float* vnew,
+               int64_t l, float* kout, float* vout) {
   auto qd = q.dimensions();
-  if (kd.size() != 5 || qd.size() != 4 || v_all.dimensions().size() != 5) {
+  if (kd.size() != 5 || qd.size() != 4) {
     return ffi::Error::InvalidArgument("cache_attention: want q [B,K,R,hd], k [Ly,B,K,hd,S]");
   }
   Shape sh{kd[0], kd[1], kd[2], qd[2], kd[3], kd[4]};
   if (qd[0] != sh.b || qd[1] != sh.kh || qd[3] != sh.hd) {
     return ffi::Error::InvalidArgument("cache_attention: q and cache shapes disagree");
   }
-  const int32_t li = layer.typed_data()[0];
   if (li < 0 || li >= sh.layers) return ffi::Error::InvalidArgument("cache_attention: layer");
   const int64_t per_layer = sh.b * sh.kh * sh.hd * sh.s;
-  const float* kbase = k_all.typed_data() + li * per_layer;
-  const float* vbase = v_all.typed_data() + li * per_layer;
+  const float* kbase = k_all + li * per_layer;
+  const float* vbase = v_all + li * per_layer;
   const float* qbase = q.typed_data();
-  const int32_t* len = length.typed_data();
-  float* mo = m->typed_data();
-  float* dno = den->typed_data();
-  float* ao = acc->typed_data();
 
   auto work = std::make_shared<Work>();
   work->total = sh.b * sh.kh;
@@ -337,6 +340,16 @@ ffi::Error CacheAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
       const int64_t off = p * sh.hd * sh.s;
       pair(qbase + p * sh.r * sh.hd, kbase + off, vbase + off, n, sh.r, sh.hd, sh.s, scale,
            mo + p * sh.r, dno + p * sh.r, ao + p * sh.r * sh.hd, sc);
+      if (knew != nullptr) {          // after the read: it covers only slots before `n`
+        float* kt = kout + li * per_layer + off;           // [hd, S]
+        float* vs = vout + li * per_layer + off;           // [S, hd]
+        const float* kn = knew + p * l * sh.hd;            // [L, hd]
+        const float* vn = vnew + p * l * sh.hd;
+        for (int64_t j = 0; j < l && n + j < sh.s; ++j) {
+          for (int64_t d = 0; d < sh.hd; ++d) kt[d * sh.s + n + j] = kn[j * sh.hd + d];
+          std::copy(vn + j * sh.hd, vn + (j + 1) * sh.hd, vs + (n + j) * sh.hd);
+        }
+      }
       ++finished;
     }
     if (finished && w.done.fetch_add(finished) + finished == w.total) {
@@ -354,6 +367,47 @@ ffi::Error CacheAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
   return ffi::Error::Success();
 }
 
+ffi::Error CacheAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
+                              ffi::Buffer<ffi::F32> k_all, ffi::Buffer<ffi::F32> v_all,
+                              ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> length,
+                              ffi::ResultBuffer<ffi::F32> m, ffi::ResultBuffer<ffi::F32> den,
+                              ffi::ResultBuffer<ffi::F32> acc, float scale) {
+  if (!CacheShapes(k_all.dimensions(), v_all.dimensions())) {
+    return ffi::Error::InvalidArgument("cache_attention: want k [Ly,B,K,hd,S], v [Ly,B,K,S,hd]");
+  }
+  return Run(pool, q, k_all.typed_data(), v_all.typed_data(), k_all.dimensions(),
+             layer.typed_data()[0], length.typed_data(), m->typed_data(), den->typed_data(),
+             acc->typed_data(), scale, nullptr, nullptr, 0, nullptr, nullptr);
+}
+
+// The same partials, then the chunk's keys and values written into the cache, which XLA passes
+// in place (the results alias the cache operands; a copy first if it ever does not).
+ffi::Error CacheAttentionWriteImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
+                                   ffi::Buffer<ffi::F32> k_all, ffi::Buffer<ffi::F32> v_all,
+                                   ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> length,
+                                   ffi::Buffer<ffi::F32> k_new, ffi::Buffer<ffi::F32> v_new,
+                                   ffi::ResultBuffer<ffi::F32> m, ffi::ResultBuffer<ffi::F32> den,
+                                   ffi::ResultBuffer<ffi::F32> acc,
+                                   ffi::ResultBuffer<ffi::F32> k_out,
+                                   ffi::ResultBuffer<ffi::F32> v_out, float scale) {
+  auto kd = k_all.dimensions();
+  auto nd = k_new.dimensions();
+  if (!CacheShapes(kd, v_all.dimensions()) || !(k_out->dimensions() == kd) ||
+      !(v_out->dimensions() == v_all.dimensions()) || nd.size() != 4 ||
+      !(v_new.dimensions() == nd) || nd[0] != kd[1] || nd[1] != kd[2] || nd[3] != kd[3]) {
+    return ffi::Error::InvalidArgument(
+        "cache_attention_write: want k [Ly,B,K,hd,S], v [Ly,B,K,S,hd], k_new, v_new [B,K,L,hd]");
+  }
+  float* ko = k_out->typed_data();
+  float* vo = v_out->typed_data();
+  const size_t bytes = k_all.size_bytes();
+  if (ko != k_all.typed_data()) std::copy_n(k_all.typed_data(), bytes / 4, ko);
+  if (vo != v_all.typed_data()) std::copy_n(v_all.typed_data(), bytes / 4, vo);
+  return Run(pool, q, ko, vo, kd, layer.typed_data()[0], length.typed_data(), m->typed_data(),
+             den->typed_data(), acc->typed_data(), scale, k_new.typed_data(),
+             v_new.typed_data(), nd[2], ko, vo);
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxagentCacheAttention, CacheAttentionImpl,
@@ -364,6 +418,23 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxagentCacheAttention, CacheAttentionImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<float>("scale"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxagentCacheAttentionWrite, CacheAttentionWriteImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()

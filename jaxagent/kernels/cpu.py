@@ -33,6 +33,7 @@ import numpy as np
 
 _SOURCE = pathlib.Path(__file__).with_name("cache_attention.cc")
 _TARGET = "jaxagent_cache_attention"
+_WRITE_TARGET = "jaxagent_cache_attention_write"
 _FLAGS = ["-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-w"]
 if platform.machine().lower() in ("x86_64", "amd64"):
   # GCC's x86 default prefers 256-bit vectors even where AVX-512 exists. The tiled path's explicit
@@ -115,6 +116,9 @@ def load() -> None:
       if not _REGISTERED:
         jax.ffi.register_ffi_target(_TARGET, jax.ffi.pycapsule(lib.JaxagentCacheAttention),
                                     platform="cpu")
+        jax.ffi.register_ffi_target(_WRITE_TARGET,
+                                    jax.ffi.pycapsule(lib.JaxagentCacheAttentionWrite),
+                                    platform="cpu")
         _REGISTERED.append(_TARGET)
     except (KernelUnavailable, OSError, AttributeError) as e:
       _STATE["error"] = str(e)
@@ -132,6 +136,20 @@ def available() -> bool:
   return True
 
 
+def _check(q, k_all, v_all, name: str):
+  b, kh, _, hd = q.shape
+  if k_all.shape[1:4] != (b, kh, hd) or v_all.shape[:3] != k_all.shape[:3] or \
+      v_all.shape[3:] != (k_all.shape[4], hd):
+    raise ValueError(f"{name}: q {q.shape}, k {k_all.shape}, v {v_all.shape}")
+
+
+def _partials_out(q):
+  b, kh, r, hd = q.shape
+  return (jax.ShapeDtypeStruct((b, kh, r), jnp.float32),
+          jax.ShapeDtypeStruct((b, kh, r), jnp.float32),
+          jax.ShapeDtypeStruct((b, kh, r, hd), jnp.float32))
+
+
 def cache_attention_partials(q, k_all, v_all, layer, length):
   """Softmax partials of queries over a KV cache's valid slots, read in place.
 
@@ -142,13 +160,28 @@ def cache_attention_partials(q, k_all, v_all, layer, length):
   gets m = -1e30, den = 0, acc = 0.
   """
   load()
-  b, kh, r, hd = q.shape
-  if k_all.shape[1:4] != (b, kh, hd) or v_all.shape[:3] != k_all.shape[:3] or \
-      v_all.shape[3:] != (k_all.shape[4], hd):
-    raise ValueError(f"cache_attention_partials: q {q.shape}, k {k_all.shape}, v {v_all.shape}")
-  out = (jax.ShapeDtypeStruct((b, kh, r), jnp.float32),
-         jax.ShapeDtypeStruct((b, kh, r), jnp.float32),
-         jax.ShapeDtypeStruct((b, kh, r, hd), jnp.float32))
-  call = jax.ffi.ffi_call(_TARGET, out, vmap_method="sequential")   # under vmap: one call each
+  _check(q, k_all, v_all, "cache_attention_partials")
+  call = jax.ffi.ffi_call(_TARGET, _partials_out(q), vmap_method="sequential")
   return call(q.astype(jnp.float32), k_all, v_all, jnp.asarray(layer, jnp.int32),
-              length.astype(jnp.int32), scale=np.float32(hd ** -0.5))
+              length.astype(jnp.int32), scale=np.float32(q.shape[-1] ** -0.5))
+
+
+def cache_attention_write(q, k_all, v_all, layer, length, k_new, v_new):
+  """`cache_attention_partials` over slots [0, length), then the chunk's keys and values
+  k_new, v_new [B, K, L, hd] written into slots [length, length + L) of `layer` (slots past the
+  capacity are dropped), in place: the new cache's buffers are the old ones (XLA aliases them),
+  so a decode loop that carries the cache never copies it.
+
+  Returns (m, den, acc, k_all, v_all), the partials as `cache_attention_partials`'."""
+  load()
+  _check(q, k_all, v_all, "cache_attention_write")
+  b, kh, _, hd = q.shape
+  if k_new.shape != v_new.shape or k_new.shape[:2] != (b, kh) or k_new.shape[3] != hd:
+    raise ValueError(f"cache_attention_write: k_new {k_new.shape}, v_new {v_new.shape} for "
+                     f"q {q.shape}: want [B, K, L, hd]")
+  out = _partials_out(q) + (jax.ShapeDtypeStruct(k_all.shape, jnp.float32),
+                            jax.ShapeDtypeStruct(v_all.shape, jnp.float32))
+  call = jax.ffi.ffi_call(_WRITE_TARGET, out, input_output_aliases={1: 3, 2: 4})
+  return call(q.astype(jnp.float32), k_all, v_all, jnp.asarray(layer, jnp.int32),
+              length.astype(jnp.int32), k_new.astype(jnp.float32), v_new.astype(jnp.float32),
+              scale=np.float32(hd ** -0.5))

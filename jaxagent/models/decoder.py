@@ -206,25 +206,70 @@ def _use_kernel(q, k_all, v_all, chunk: bool = False) -> bool:
       cache_kernel_enabled()
 
 
+def _kernel_writes(cfg: ModelConfig, cache: KVCache, l: int) -> bool:
+  """Whether an L-token chunk's layers read `cache` through the CPU kernel, which then also
+  writes the chunk's keys and values (`_layer`'s `write`)."""
+  q = jax.ShapeDtypeStruct((1, 1, 1, l, cfg.head_dim), cfg.jnp_dtype)
+  return _use_kernel(q, cache.k, cache.v)
+
+
+def unstack_layers(params: dict) -> dict:
+  """`params` with "layers" as a list of per-layer trees instead of one stacked tree.
+
+  For decode loops on the CPU kernel's path: unstacked once before the loop, each step's layers
+  read their weights in place, where a scan over the stacked tree copies every layer's weights
+  out of the stack every step (a dynamic slice per weight; for a ~100M model 35 of ~80 ms per
+  8-row step). `apply` accepts either form; XLA's cache paths and the no-cache forward stack a
+  list again (one copy per call, what their scan reads anyway)."""
+  layers = params["layers"]
+  if isinstance(layers, (list, tuple)):
+    return params
+  n = jax.tree.leaves(layers)[0].shape[0]
+  return {**params, "layers": [jax.tree.map(lambda a, i=i: a[i], layers) for i in range(n)]}
+
+
+def for_decode(cfg: ModelConfig, params: dict) -> dict:
+  """`params` for a decode loop: unstacked (`unstack_layers`) where its steps take the CPU
+  kernel (which then reads each layer's weights in place), else as they are (XLA's paths scan
+  the stacked layers; on accelerators a scan's per-layer slices are cheap)."""
+  dt = cfg.jnp_dtype
+  cache = jax.ShapeDtypeStruct((1, 1, 1, cfg.head_dim, 1), dt)
+  q = jax.ShapeDtypeStruct((1, 1, 1, 1, cfg.head_dim), dt)
+  return unstack_layers(params) if _use_kernel(q, cache, cache) else params
+
+
+def _stacked(layers):
+  if isinstance(layers, (list, tuple)):
+    return jax.tree.map(lambda *a: jnp.stack(a), *layers)
+  return layers
+
+
 def _kernel_cache_attention(q, k_all, v_all, layer, length, scores, v):
   """The kernel's softmax partials over the cache, merged with the chunk's own scores."""
   return _kernel_block(q, k_all, v_all, layer, length, scores, v)[0].astype(q.dtype)
 
 
-def _kernel_block(q, k_all, v_all, layer, length, scores, v):
+def _kernel_block(q, k_all, v_all, layer, length, scores, v, k=None):
   """(out float32, m, den) [B, K, G, L, hd | 1]: the kernel's partials over slots [0, length)
   merged with the chunk's own masked scores [B, K, G, L, L] and values v; m and den are the
-  softmax's max and sum over every key the queries see."""
+  softmax's max and sum over every key the queries see. With the chunk's keys k [B, K, L, hd],
+  the same call also writes k and v into the cache at slots [length, length + L), and the
+  written (k_all, v_all) follow: (out, m, den, k_all, v_all)."""
   b, kh, g, l, hd = q.shape
-  mc, dc, ac = cpu.cache_attention_partials(q.reshape(b, kh, g * l, hd), k_all, v_all, layer,
-                                            length)
+  qr = q.reshape(b, kh, g * l, hd)
+  if k is None:
+    mc, dc, ac = cpu.cache_attention_partials(qr, k_all, v_all, layer, length)
+  else:
+    mc, dc, ac, k_all, v_all = cpu.cache_attention_write(qr, k_all, v_all, layer, length, k, v)
   mc, dc = mc.reshape(b, kh, g, l, 1), dc.reshape(b, kh, g, l, 1)
   m = jnp.maximum(mc, jnp.max(scores, axis=-1, keepdims=True))
   p, fix = jnp.exp(scores - m), jnp.exp(mc - m)
   den = dc * fix + jnp.sum(p, axis=-1, keepdims=True)
   acc = ac.reshape(b, kh, g, l, hd) * fix + jnp.einsum(
       "bkgls,bksd->bkgld", p, v, preferred_element_type=jnp.float32)
-  return acc / den, m, den
+  if k is None:
+    return acc / den, m, den
+  return acc / den, m, den, k_all, v_all
 
 
 def _dense_cache_attention(q, k_all, v_all, layer, length, scores, v):
@@ -377,12 +422,14 @@ _blocked_attention.defvjp(_blocked_attention_fwd, _blocked_attention_bwd)
 
 
 def _layer(cfg: ModelConfig, x_bld, p, cos, sin, mask_bls, cache=None, layer=None,
-           cache_block: int = 0, query_block: int = 0, key_lengths=None):
+           cache_block: int = 0, query_block: int = 0, key_lengths=None, write: bool = False):
   """One block. Returns (x, k, v) with this chunk's keys/values k, v [B, kv_heads, L, hd].
 
-  Queries attend the chunk under `mask_bls` [B, L, L] and, with a `cache`, its valid slots too
-  (read only: the caller writes the chunk's k/v into the cache once, after all layers; writing
-  each layer's slice inside the layer loop made XLA copy the cache every decode step).
+  Queries attend the chunk under `mask_bls` [B, L, L] and, with a `cache`, its valid slots too.
+  XLA's paths only read the cache: the caller writes the chunk's k/v into it once, after all
+  layers (writing each layer's slice inside the layer loop made XLA copy the cache every decode
+  step). With `write` (the CPU kernel, `_kernel_writes`), the kernel call that reads this layer's
+  cache also writes its k/v in place, and the written cache's (k, v) come back instead.
   """
   dt = cfg.jnp_dtype
   w = lambda name: p[name].astype(dt)
@@ -405,7 +452,11 @@ def _layer(cfg: ModelConfig, x_bld, p, cos, sin, mask_bls, cache=None, layer=Non
     attn = causal_attention(q, k, v, mask_bls, query_block, key_lengths)
   else:
     scores = _block_scores(q, k, mask_bls, 0, l)
-    attn = _cache_attention(q, cache.k, cache.v, layer, cache.length, scores, v, cache_block)
+    if write:
+      attn, _, _, k, v = _kernel_block(q, cache.k, cache.v, layer, cache.length, scores, v, k)
+      attn = attn.astype(q.dtype)
+    else:
+      attn = _cache_attention(q, cache.k, cache.v, layer, cache.length, scores, v, cache_block)
   attn = attn.transpose(0, 3, 1, 2, 4).reshape(b, l, nh, hd)
   x_bld = x_bld + jnp.einsum("blhk,hkd->bld", attn, w("o_proj"))
   h = rms_norm(x_bld, p["mlp_norm"], cfg.rms_norm_eps)
@@ -507,25 +558,43 @@ def apply(cfg: ModelConfig, params: dict, tokens, positions=None, *, attention_m
                        key_lengths=lengths)
       return x, None
 
-    x, _ = jax.lax.scan(body, x, params["layers"])
+    x, _ = jax.lax.scan(body, x, _stacked(params["layers"]))
   else:
-    # The cache is read only inside the layer loop; each layer returns its chunk's k/v, and one
-    # scatter after the loop writes them (in place when the cache is a decode loop's carry).
-    def body(carry, p):
-      x, i = carry
-      x = constrain_batch(x)
-      x, k, v = _layer(cfg, x, p, cos, sin, mask, cache, i, cache_block)
-      return (x, i + 1), (k, v)
+    layers = params["layers"]
+    if _kernel_writes(cfg, cache, l):
+      # Each layer's kernel call reads its cache and writes its k/v in place: the cache is the
+      # layer loop's carry, and no scatter follows.
+      def body(carry, p):
+        x, i, kc, vc = carry
+        x, kc, vc = _layer(cfg, constrain_batch(x), p, cos, sin, mask, cache.replace(k=kc, v=vc),
+                           i, cache_block, write=True)
+        return (x, i + 1, kc, vc), None
 
-    (x, _), (k_new, v_new) = jax.lax.scan(body, (x, jnp.int32(0)), params["layers"])
-    rows = jnp.arange(b)[:, None]
-    slots = cache.length[:, None] + idx[None, :]                             # [B, L]
-    # Advanced indices on dims (1, 3) or (1, 4) put [B, L] first: updates are [B, L, layers, kv,
-    # hd].
-    new_k = cache.k.at[:, rows, :, :, slots].set(
-        k_new.transpose(1, 3, 0, 2, 4).astype(cache.k.dtype), mode="drop")
-    new_v = cache.v.at[:, rows, :, slots, :].set(
-        v_new.transpose(1, 3, 0, 2, 4).astype(cache.v.dtype), mode="drop")
+      carry = (x, jnp.int32(0), cache.k, cache.v)
+      if isinstance(layers, (list, tuple)):              # unstacked: `unstack_layers`
+        for p in layers:
+          carry, _ = body(carry, p)
+      else:
+        carry, _ = jax.lax.scan(body, carry, layers)
+      x, _, new_k, new_v = carry
+    else:
+      # The cache is read only inside the layer loop; each layer returns its chunk's k/v, and one
+      # scatter after the loop writes them (in place when the cache is a decode loop's carry).
+      def body(carry, p):
+        x, i = carry
+        x = constrain_batch(x)
+        x, k, v = _layer(cfg, x, p, cos, sin, mask, cache, i, cache_block)
+        return (x, i + 1), (k, v)
+
+      (x, _), (k_new, v_new) = jax.lax.scan(body, (x, jnp.int32(0)), _stacked(layers))
+      rows = jnp.arange(b)[:, None]
+      slots = cache.length[:, None] + idx[None, :]                           # [B, L]
+      # Advanced indices on dims (1, 3) or (1, 4) put [B, L] first: updates are [B, L, layers,
+      # kv, hd].
+      new_k = cache.k.at[:, rows, :, :, slots].set(
+          k_new.transpose(1, 3, 0, 2, 4).astype(cache.k.dtype), mode="drop")
+      new_v = cache.v.at[:, rows, :, slots, :].set(
+          v_new.transpose(1, 3, 0, 2, 4).astype(cache.v.dtype), mode="drop")
   x = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
   new_cache = None
   if cache is not None:

@@ -99,6 +99,7 @@ def decode(cfg: ModelConfig, params, cache: decoder.KVCache, next_logits, key, s
     stop_tokens: [B, S] int32 per-row stop ids, padded with -1.
     active: [B] bool rows to decode (others generate nothing); default all.
   """
+  params = decoder.for_decode(cfg, params)
   b = next_logits.shape[0]
   if active is None:
     active = jnp.ones((b,), bool)

@@ -288,6 +288,7 @@ def make_rollout_fn(mcfg: ModelConfig, env, cfg: RolloutConfig, forced_action=No
     if on_trace is not None:
       on_trace()
     b = budget.shape[0]
+    params = decoder.for_decode(mcfg, params)      # once, outside the turn loop
     k_reset, k_run = jax.random.split(key)
     reset_budget = budget if cfg.budget_visible else jnp.full_like(budget, -1)
     state, obs0 = jax.vmap(env.reset)(jax.random.split(k_reset, b), tasks, reset_budget)

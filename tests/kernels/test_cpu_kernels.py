@@ -5,6 +5,8 @@ the path is chosen and what a missing compiler does."""
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -73,6 +75,33 @@ def test_partials_reject_mismatched_shapes():
                                  jnp.zeros((2,), jnp.int32))
 
 
+def test_write_reads_the_old_slots_then_writes_the_chunk_in_place():
+  """`cache_attention_write`: the partials of the cache before the write, then the chunk's keys
+  and values at slots [length, length + L) of the one layer, dropped past the capacity; every
+  other slot and layer as it was."""
+  rng = np.random.default_rng(5)
+  layers, b, kh, r, hd, s, l = 2, 5, 2, 6, 32, 20, 3
+  q = rng.normal(size=(b, kh, r, hd)).astype(np.float32)
+  k_all = rng.normal(size=(layers, b, kh, hd, s)).astype(np.float32)
+  v_all = rng.normal(size=(layers, b, kh, s, hd)).astype(np.float32)
+  k_new = rng.normal(size=(b, kh, l, hd)).astype(np.float32)
+  v_new = rng.normal(size=(b, kh, l, hd)).astype(np.float32)
+  length = np.array([0, 4, s - 2, s - 1, s], np.int32)     # the last rows overrun the capacity
+  got = jax.jit(cpu.cache_attention_write)(q, k_all, v_all, 1, length, k_new, v_new)
+  want = cpu.cache_attention_partials(q, k_all, v_all, 1, length)
+  for g, w in zip(got[:3], want):
+    np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+  k_ref, v_ref = k_all.copy(), v_all.copy()
+  for i, n in enumerate(length):
+    for j in range(min(l, s - n)):
+      k_ref[1, i, :, :, n + j] = k_new[i, :, j]
+      v_ref[1, i, :, n + j] = v_new[i, :, j]
+  np.testing.assert_array_equal(np.asarray(got[3]), k_ref)
+  np.testing.assert_array_equal(np.asarray(got[4]), v_ref)
+  with pytest.raises(ValueError, match="cache_attention_write: k_new"):
+    cpu.cache_attention_write(q, k_all, v_all, 1, length, k_new[:, :, :, :16], v_new)
+
+
 @pytest.fixture
 def micro():
   return from_pretrained("builtin:micro")
@@ -92,9 +121,22 @@ def _logits_after_prompt(policy, mode, monkeypatch, block, prompt_lens, chunk_le
   chunk = jnp.asarray(rng.integers(3, cfg.vocab_size, size=(b, width)), jnp.int32)
   lens = jnp.asarray(chunk_lens, jnp.int32)
   step = jax.jit(lambda p, t, c: decoder.apply(cfg, p, t, cache=c, chunk_lens=lens,
-                                               cache_block=block)[0])
-  out = np.asarray(step(params, chunk, cache))
-  return np.where((np.arange(width)[None, :] < np.asarray(lens)[:, None])[..., None], out, 0.0)
+                                               cache_block=block))
+  out, cache = step(params, chunk, cache)
+  out = np.where((np.arange(width)[None, :] < np.asarray(lens)[:, None])[..., None], out, 0.0)
+  return out, _valid_slots(cache)
+
+
+def _valid_slots(cache):
+  """The cache's keys and values with every slot past a row's length zeroed."""
+  ok = np.arange(cache.k.shape[-1])[None, :] < np.asarray(cache.length)[:, None]     # [B, S]
+  return (np.where(ok[None, :, None, None, :], cache.k, 0.0),
+          np.where(ok[None, :, None, :, None], cache.v, 0.0))
+
+
+def _assert_close(got, want):
+  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
 
 
 def _decode_logits(policy, mode, monkeypatch, block):
@@ -103,10 +145,10 @@ def _decode_logits(policy, mode, monkeypatch, block):
 
 
 def test_decoder_kernel_path_equals_blocked_and_dense(micro, monkeypatch):
+  """Logits and the written cache (the kernel writes it in the same call that reads it)."""
   kernel = _decode_logits(micro, "kernel", monkeypatch, 16)
   for block in (16, 40):                                     # blocked (overlapping tail), dense
-    np.testing.assert_allclose(kernel, _decode_logits(micro, "xla", monkeypatch, block),
-                               rtol=1e-5, atol=1e-5)
+    _assert_close(kernel, _decode_logits(micro, "xla", monkeypatch, block))
 
 
 def _chunk_logits(policy, mode, monkeypatch, block):
@@ -118,8 +160,52 @@ def _chunk_logits(policy, mode, monkeypatch, block):
 def test_decoder_kernel_chunks_equal_blocked_and_dense(micro, monkeypatch):
   kernel = _chunk_logits(micro, "kernel", monkeypatch, 16)
   for block in (16, 48):
-    np.testing.assert_allclose(kernel, _chunk_logits(micro, "xla", monkeypatch, block),
-                               rtol=1e-5, atol=1e-5)
+    _assert_close(kernel, _chunk_logits(micro, "xla", monkeypatch, block))
+
+
+def _decode_loop(policy, params, steps: int = 4):
+  """A jitted loop of one-token steps after a ragged prompt (the cache donated, as a rollout
+  carries it): (its logits, the cache's valid slots, the compiled program's text)."""
+  cfg, b = policy.config, 3
+
+  def run(params, cache):
+    p = decoder.for_decode(cfg, params)
+    _, cache = decoder.apply(cfg, p, jnp.full((b, 5), 7, jnp.int32), cache=cache,
+                             chunk_lens=jnp.array([5, 2, 0], jnp.int32))
+
+    def body(i, carry):
+      c, acc = carry
+      logits, c = decoder.apply(cfg, p, jnp.full((b, 1), i + 3, jnp.int32), cache=c)
+      return c, acc + logits[:, 0]
+    return jax.lax.fori_loop(0, steps, body, (cache, jnp.zeros((b, cfg.vocab_size))))
+
+  fn = jax.jit(run, donate_argnums=1)
+  cache = decoder.init_cache(cfg, b, 16)
+  text = fn.lower(params, cache).compile().as_text()
+  cache, acc = fn(params, cache)
+  return np.asarray(acc), _valid_slots(cache), text
+
+
+def test_decode_loop_with_the_kernel_writes_the_cache_in_place(micro, monkeypatch):
+  """With the kernel, the layers are unstacked once before the loop, each layer's call writes
+  its keys and values in place, and the compiled loop copies neither the cache nor a weight; the
+  result is XLA's (its scan over the stacked layers with one scatter per step)."""
+  monkeypatch.setenv(decoder.CACHE_ATTENTION_ENV, "xla")
+  assert decoder.for_decode(micro.config, micro.params) is micro.params
+  want = _decode_loop(micro, micro.params)
+  monkeypatch.setenv(decoder.CACHE_ATTENTION_ENV, "kernel")
+  unstacked = decoder.for_decode(micro.config, micro.params)
+  assert len(unstacked["layers"]) == micro.config.num_layers
+  cfg, w = micro.config, micro.params["layers"]["gate_proj"]
+  cache_k = f"f32[{cfg.num_layers},3,{cfg.num_kv_heads},{cfg.head_dim},16]"
+  weight = "f32[{},{}]".format(*w.shape[1:])
+  for params in (micro.params, unstacked):                   # either form of the layers
+    got = _decode_loop(micro, params)
+    _assert_close(got[:2], want[:2])
+    assert "jaxagent_cache_attention_write" in got[2] and "scatter" not in got[2]
+    assert not _made_in_loop(got[2], cache_k) and not _made_in_loop(got[2], weight)
+  # The check sees copies: XLA's loop slices each layer's weights out of the stack every step.
+  assert _made_in_loop(want[2], weight)
 
 
 def test_path_choice(monkeypatch):
@@ -222,3 +308,18 @@ def test_the_kernel_is_in_the_scoring_program(micro, monkeypatch):
     monkeypatch.setenv(decoder.CACHE_ATTENTION_ENV, mode)
     text = jax.jit(lambda p: token_logprobs(cfg, p, tokens, length)).lower(micro.params).as_text()
     assert ("jaxagent_cache_attention" in text) == calls
+
+
+def _made_in_loop(hlo: str, shape: str) -> list[str]:
+  """Instructions of the program's loop bodies that make a new `shape` array (not a view: a
+  parameter, tuple element or bitcast)."""
+  bodies = set(re.findall(r"body=%([\w.\-]+)", hlo))
+  made, inside = [], False
+  for line in hlo.splitlines():
+    head = re.match(r"%([\w.\-]+) ", line)
+    if head and line.rstrip().endswith("{"):
+      inside = head.group(1) in bodies
+    elif inside and re.search(rf"= {re.escape(shape)}\{{[\d,]*\}} (?!parameter|get-tuple-element"
+                              r"|bitcast)", line):
+      made.append(line.strip()[:120])
+  return made
