@@ -21,6 +21,7 @@
 #include <cstdint>
 #include <memory>
 #include <mutex>
+#include <utility>
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
@@ -300,6 +301,33 @@ struct Work {
   std::condition_variable cv;
 };
 
+// Runs task(p, scratch) for p in [0, total) over the pool (and the calling thread, so the call
+// finishes even if no helper ever runs); returns when every task has.
+template <typename Task>
+void ParallelFor(ffi::ThreadPool& pool, int64_t total, Task task) {
+  auto work = std::make_shared<Work>();
+  work->total = total;
+  auto run = [=](Work& w) {
+    std::vector<float> scratch;
+    int64_t finished = 0;
+    for (int64_t p; (p = w.next.fetch_add(1)) < w.total;) {
+      task(p, scratch);
+      ++finished;
+    }
+    if (finished && w.done.fetch_add(finished) + finished == w.total) {
+      std::lock_guard<std::mutex> lock(w.mu);
+      w.cv.notify_all();
+    }
+  };
+  const int64_t helpers = std::min<int64_t>(pool.num_threads(), total) - 1;
+  for (int64_t t = 0; t < helpers; ++t) {
+    pool.Schedule([work, run] { run(*work); });
+  }
+  run(*work);
+  std::unique_lock<std::mutex> lock(work->mu);
+  work->cv.wait(lock, [&] { return work->done.load() == work->total; });
+}
+
 // k [Ly, B, K, hd, S] and v [Ly, B, K, S, hd].
 bool CacheShapes(ffi::Span<const int64_t> kd, ffi::Span<const int64_t> vd) {
   return kd.size() == 5 && vd.size() == 5 && kd[0] == vd[0] && kd[1] == vd[1] &&
@@ -328,42 +356,105 @@ ffi::Error Run(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& q, const float* k_a
   const float* vbase = v_all + li * per_layer;
   const float* qbase = q.typed_data();
 
-  auto work = std::make_shared<Work>();
-  work->total = sh.b * sh.kh;
   const PairFn pair = PickPair(sh.hd);
-  auto run = [=](Work& w) {
-    std::vector<float> sc;
-    int64_t finished = 0;
-    for (int64_t p; (p = w.next.fetch_add(1)) < w.total;) {
-      const int64_t bi = p / sh.kh;
-      const int64_t n = std::min<int64_t>(std::max<int32_t>(len[bi], 0), sh.s);
-      const int64_t off = p * sh.hd * sh.s;
-      pair(qbase + p * sh.r * sh.hd, kbase + off, vbase + off, n, sh.r, sh.hd, sh.s, scale,
-           mo + p * sh.r, dno + p * sh.r, ao + p * sh.r * sh.hd, sc);
-      if (knew != nullptr) {          // after the read: it covers only slots before `n`
-        float* kt = kout + li * per_layer + off;           // [hd, S]
-        float* vs = vout + li * per_layer + off;           // [S, hd]
-        const float* kn = knew + p * l * sh.hd;            // [L, hd]
-        const float* vn = vnew + p * l * sh.hd;
-        for (int64_t j = 0; j < l && n + j < sh.s; ++j) {
-          for (int64_t d = 0; d < sh.hd; ++d) kt[d * sh.s + n + j] = kn[j * sh.hd + d];
-          std::copy(vn + j * sh.hd, vn + (j + 1) * sh.hd, vs + (n + j) * sh.hd);
-        }
+  ParallelFor(pool, sh.b * sh.kh, [=](int64_t p, std::vector<float>& sc) {
+    const int64_t bi = p / sh.kh;
+    const int64_t n = std::min<int64_t>(std::max<int32_t>(len[bi], 0), sh.s);
+    const int64_t off = p * sh.hd * sh.s;
+    pair(qbase + p * sh.r * sh.hd, kbase + off, vbase + off, n, sh.r, sh.hd, sh.s, scale,
+         mo + p * sh.r, dno + p * sh.r, ao + p * sh.r * sh.hd, sc);
+    if (knew != nullptr) {            // after the read: it covers only slots before `n`
+      float* kt = kout + li * per_layer + off;             // [hd, S]
+      float* vs = vout + li * per_layer + off;             // [S, hd]
+      const float* kn = knew + p * l * sh.hd;              // [L, hd]
+      const float* vn = vnew + p * l * sh.hd;
+      for (int64_t j = 0; j < l && n + j < sh.s; ++j) {
+        for (int64_t d = 0; d < sh.hd; ++d) kt[d * sh.s + n + j] = kn[j * sh.hd + d];
+        std::copy(vn + j * sh.hd, vn + (j + 1) * sh.hd, vs + (n + j) * sh.hd);
       }
-      ++finished;
     }
-    if (finished && w.done.fetch_add(finished) + finished == w.total) {
-      std::lock_guard<std::mutex> lock(w.mu);
-      w.cv.notify_all();
+  });
+  return ffi::Error::Success();
+}
+
+// y[M, N] = x[M, K] @ w[K, N] for a few rows (decode steps: M = the batch), where the cost is
+// reading w once. XLA:CPU's products read an 8-row step's weights at ~5-6 GB/s on one thread;
+// here the threads split K into ranges, each streams its rows of w front to back (8 at a time,
+// so 8 sequential streams) into its own [M, N] partial sums, and the partials are added last.
+constexpr int64_t kRowsK = 8;
+constexpr int64_t kMaxRows = 16;
+
+// Rows [0, MR) of y (ldy apart) += x[:, k0:k1] @ w[k0:k1, :]: MR accumulators per 16 columns
+// stay in registers while 8 rows of w stream in.
+template <int64_t MR>
+void MatmulRows(const float* x, int64_t ldx, const float* w, int64_t n, int64_t k0, int64_t k1,
+                float* y) {
+  const int64_t nv = n / 16 * 16;
+  for (int64_t kb = k0; kb < k1; kb += kRowsK) {
+    const int64_t kk = std::min(kRowsK, k1 - kb);
+    const float* wb = w + kb * n;
+    for (int64_t j = 0; j < nv; j += 16) {
+      V16 a[MR];
+      for (int64_t r = 0; r < MR; ++r) a[r] = Load(y + r * n + j);
+      for (int64_t i = 0; i < kk; ++i) {
+        const V16 wv = Load(wb + i * n + j);
+        for (int64_t r = 0; r < MR; ++r) a[r] += Splat(x[r * ldx + kb + i]) * wv;
+      }
+      for (int64_t r = 0; r < MR; ++r) Store(y + r * n + j, a[r]);
     }
-  };
-  const int64_t helpers = std::min<int64_t>(pool.num_threads(), work->total) - 1;
-  for (int64_t t = 0; t < helpers; ++t) {
-    pool.Schedule([work, run] { run(*work); });
+    for (int64_t j = nv; j < n; ++j) {
+      for (int64_t r = 0; r < MR; ++r) {
+        float acc = 0.0f;
+        for (int64_t i = 0; i < kk; ++i) acc += x[r * ldx + kb + i] * wb[i * n + j];
+        y[r * n + j] += acc;
+      }
+    }
   }
-  run(*work);  // the caller works too, so the call finishes even if no helper ever runs
-  std::unique_lock<std::mutex> lock(work->mu);
-  work->cv.wait(lock, [&] { return work->done.load() == work->total; });
+}
+
+template <int64_t... R>
+void MatmulBlock(int64_t mr, const float* x, int64_t ldx, const float* w, int64_t n, int64_t k0,
+                 int64_t k1, float* y, std::integer_sequence<int64_t, R...>) {
+  ((mr == R + 1 ? MatmulRows<R + 1>(x, ldx, w, n, k0, k1, y) : void()), ...);
+}
+
+// y[M, N] = x[M, K] @ w[K, N] over w's rows [k0, k1), 16 rows of y at a time.
+void MatmulRange(const float* x, const float* w, int64_t m, int64_t k, int64_t n, int64_t k0,
+                 int64_t k1, float* y) {
+  std::fill(y, y + m * n, 0.0f);
+  for (int64_t r0 = 0; r0 < m; r0 += kMaxRows) {
+    MatmulBlock(std::min(kMaxRows, m - r0), x + r0 * k, k, w, n, k0, k1, y + r0 * n,
+                std::make_integer_sequence<int64_t, kMaxRows>{});
+  }
+}
+
+ffi::Error SmallMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
+                           ffi::Buffer<ffi::F32> w, ffi::ResultBuffer<ffi::F32> y) {
+  auto xd = x.dimensions();
+  auto wd = w.dimensions();
+  if (xd.size() != 2 || wd.size() != 2 || xd[1] != wd[0]) {
+    return ffi::Error::InvalidArgument("small_matmul: want x [M, K] and w [K, N]");
+  }
+  const int64_t m = xd[0], k = xd[1], n = wd[1];
+  // Ranges of whole 8-row groups, at least 64 rows of w each.
+  const int64_t parts = std::max<int64_t>(
+      1, std::min<int64_t>(pool.num_threads(), k / (8 * kRowsK)));
+  const int64_t per = ((k + kRowsK - 1) / kRowsK + parts - 1) / parts * kRowsK;
+  std::vector<std::vector<float>> partial(parts);
+  float* out = y->typed_data();
+  ParallelFor(pool, parts, [&](int64_t p, std::vector<float>&) {
+    const int64_t k0 = std::min(k, p * per), k1 = std::min(k, (p + 1) * per);
+    float* dst = out;
+    if (p > 0) {
+      partial[p].resize(m * n);
+      dst = partial[p].data();
+    }
+    MatmulRange(x.typed_data(), w.typed_data(), m, k, n, k0, k1, dst);
+  });
+  for (int64_t p = 1; p < parts; ++p) {
+    const float* src = partial[p].data();
+    for (int64_t i = 0; i < m * n; ++i) out[i] += src[i];
+  }
   return ffi::Error::Success();
 }
 
@@ -439,3 +530,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxagentCacheAttentionWrite, CacheAttentionWriteIm
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<float>("scale"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxagentSmallMatmul, SmallMatmulImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());

@@ -34,6 +34,7 @@ import numpy as np
 _SOURCE = pathlib.Path(__file__).with_name("cache_attention.cc")
 _TARGET = "jaxagent_cache_attention"
 _WRITE_TARGET = "jaxagent_cache_attention_write"
+_MATMUL_TARGET = "jaxagent_small_matmul"
 _FLAGS = ["-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-w"]
 if platform.machine().lower() in ("x86_64", "amd64"):
   # GCC's x86 default prefers 256-bit vectors even where AVX-512 exists. The tiled path's explicit
@@ -116,9 +117,9 @@ def load() -> None:
       if not _REGISTERED:
         jax.ffi.register_ffi_target(_TARGET, jax.ffi.pycapsule(lib.JaxagentCacheAttention),
                                     platform="cpu")
-        jax.ffi.register_ffi_target(_WRITE_TARGET,
-                                    jax.ffi.pycapsule(lib.JaxagentCacheAttentionWrite),
-                                    platform="cpu")
+        for target, fn in ((_WRITE_TARGET, lib.JaxagentCacheAttentionWrite),
+                           (_MATMUL_TARGET, lib.JaxagentSmallMatmul)):
+          jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(fn), platform="cpu")
         _REGISTERED.append(_TARGET)
     except (KernelUnavailable, OSError, AttributeError) as e:
       _STATE["error"] = str(e)
@@ -185,3 +186,14 @@ def cache_attention_write(q, k_all, v_all, layer, length, k_new, v_new):
   return call(q.astype(jnp.float32), k_all, v_all, jnp.asarray(layer, jnp.int32),
               length.astype(jnp.int32), k_new.astype(jnp.float32), v_new.astype(jnp.float32),
               scale=np.float32(hd ** -0.5))
+
+
+def small_matmul(x, w):
+  """x [M, K] @ w [K, N] in float32 for a few rows (a decode step's batch), reading w once over
+  all threads (they split K). XLA:CPU's products run such steps at a fraction of the machine's
+  bandwidth."""
+  load()
+  if x.ndim != 2 or w.ndim != 2 or x.shape[1] != w.shape[0]:
+    raise ValueError(f"small_matmul: x {x.shape}, w {w.shape}: want [M, K] and [K, N]")
+  out = jax.ShapeDtypeStruct((x.shape[0], w.shape[1]), jnp.float32)
+  return jax.ffi.ffi_call(_MATMUL_TARGET, out)(x.astype(jnp.float32), w.astype(jnp.float32))

@@ -26,6 +26,7 @@ import os
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx, struct
 
 from jaxagent.kernels import cpu
@@ -433,10 +434,12 @@ def _layer(cfg: ModelConfig, x_bld, p, cos, sin, mask_bls, cache=None, layer=Non
   """
   dt = cfg.jnp_dtype
   w = lambda name: p[name].astype(dt)
+  # A kernel step's few rows (x [B, L, D]) go through the kernel's products too (`_proj`).
+  small = write and x_bld.shape[0] * x_bld.shape[1] <= SMALL_MATMUL_ROWS
   h = rms_norm(x_bld, p["attn_norm"], cfg.rms_norm_eps)
-  q = jnp.einsum("bld,dhk->blhk", h, w("q_proj"))
-  k = jnp.einsum("bld,dhk->blhk", h, w("k_proj"))
-  v = jnp.einsum("bld,dhk->blhk", h, w("v_proj"))
+  q = _proj(h, w("q_proj"), 1, small)
+  k = _proj(h, w("k_proj"), 1, small)
+  v = _proj(h, w("v_proj"), 1, small)
   if cfg.qkv_bias:
     q, k, v = q + w("q_bias"), k + w("k_bias"), v + w("v_bias")
   if cfg.qk_norm:
@@ -458,10 +461,32 @@ def _layer(cfg: ModelConfig, x_bld, p, cos, sin, mask_bls, cache=None, layer=Non
     else:
       attn = _cache_attention(q, cache.k, cache.v, layer, cache.length, scores, v, cache_block)
   attn = attn.transpose(0, 3, 1, 2, 4).reshape(b, l, nh, hd)
-  x_bld = x_bld + jnp.einsum("blhk,hkd->bld", attn, w("o_proj"))
+  x_bld = x_bld + _proj(attn, w("o_proj"), 2, small)
   h = rms_norm(x_bld, p["mlp_norm"], cfg.rms_norm_eps)
-  x_bld = x_bld + swiglu(h, w("gate_proj"), w("up_proj"), w("down_proj"))
+  if small:
+    gate, up = _proj(h, w("gate_proj"), 1, True), _proj(h, w("up_proj"), 1, True)
+    x_bld = x_bld + _proj(jax.nn.silu(gate) * up, w("down_proj"), 1, True)
+  else:
+    x_bld = x_bld + swiglu(h, w("gate_proj"), w("up_proj"), w("down_proj"))
   return x_bld, k, v
+
+
+# Rows (batch x chunk) up to which a kernel step's weight products take `cpu.small_matmul`.
+SMALL_MATMUL_ROWS = 16
+
+
+def _proj(a, w, n_in: int, small: bool):
+  """a [..., *in] @ w [*in, *out] over the last `n_in` dims of a (the first n_in of w): XLA's
+  einsum, or with `small` the CPU kernel's product, which reads w at about the machine's
+  bandwidth where XLA:CPU's few-row products do not (inference only: it has no gradient)."""
+  lead, ins, outs = a.shape[:a.ndim - n_in], w.shape[:n_in], w.shape[n_in:]
+  if not small:
+    a_ix, w_out = "abcd"[:a.ndim - n_in], "wxyz"[:len(outs)]
+    ins_ix = "ijkl"[:n_in]
+    return jnp.einsum(f"{a_ix}{ins_ix},{ins_ix}{w_out}->{a_ix}{w_out}", a, w)
+  k = int(np.prod(ins))
+  out = cpu.small_matmul(a.reshape(-1, k), w.reshape(k, -1))
+  return out.reshape(*lead, *outs).astype(a.dtype)
 
 
 @jax.custom_vjp

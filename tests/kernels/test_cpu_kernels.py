@@ -102,6 +102,20 @@ def test_write_reads_the_old_slots_then_writes_the_chunk_in_place():
     cpu.cache_attention_write(q, k_all, v_all, 1, length, k_new[:, :, :, :16], v_new)
 
 
+# Rows 1 to 17 (past one 16-row register block), K not a multiple of the 8-row groups or split
+# evenly over the threads, N with and without a tail past the 16-column vectors.
+@pytest.mark.parametrize("m, k, n", [(1, 100, 48), (3, 40, 37), (8, 768, 256), (16, 130, 17),
+                                     (17, 64, 160), (5, 7, 5)])
+def test_small_matmul_equals_float64_product(m, k, n):
+  rng = np.random.default_rng(m * k + n)
+  x = rng.normal(size=(m, k)).astype(np.float32)
+  w = rng.normal(size=(k, n)).astype(np.float32)
+  got = np.asarray(jax.jit(cpu.small_matmul)(x, w))
+  np.testing.assert_allclose(got, x.astype(np.float64) @ w, rtol=1e-4, atol=1e-4 * np.sqrt(k))
+  with pytest.raises(ValueError, match="small_matmul"):
+    cpu.small_matmul(x, w[:-1])
+
+
 @pytest.fixture
 def micro():
   return from_pretrained("builtin:micro")
