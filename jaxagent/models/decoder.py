@@ -236,7 +236,27 @@ def for_decode(cfg: ModelConfig, params: dict) -> dict:
   dt = cfg.jnp_dtype
   cache = jax.ShapeDtypeStruct((1, 1, 1, cfg.head_dim, 1), dt)
   q = jax.ShapeDtypeStruct((1, 1, 1, 1, cfg.head_dim), dt)
-  return unstack_layers(params) if _use_kernel(q, cache, cache) else params
+  if not _use_kernel(q, cache, cache) or isinstance(params["layers"], (list, tuple)):
+    return params
+  return unstack_layers({**params, "layers": _fused(params["layers"])})
+
+
+def _fused(layers: dict) -> dict:
+  """Stacked layers with the q/k/v projections (and biases) as one [D, (H + 2K) hd] product and
+  gate/up as one [D, 2F]: a decode step of a small model is bound by its count of small ops."""
+  flat = lambda a: a.reshape(*a.shape[:2], -1)                  # [layers, D, ...] -> 2-D each
+  out = {k: v for k, v in layers.items() if k not in _FUSED}
+  out["qkv_proj"] = jnp.concatenate([flat(layers[k]) for k in ("q_proj", "k_proj", "v_proj")],
+                                    axis=-1)
+  if "q_bias" in layers:
+    out["qkv_bias"] = jnp.concatenate(
+        [layers[k].reshape(layers[k].shape[0], -1) for k in ("q_bias", "k_bias", "v_bias")],
+        axis=-1)
+  out["gate_up_proj"] = jnp.concatenate([layers["gate_proj"], layers["up_proj"]], axis=-1)
+  return out
+
+
+_FUSED = ("q_proj", "k_proj", "v_proj", "q_bias", "k_bias", "v_bias", "gate_proj", "up_proj")
 
 
 def _stacked(layers):
@@ -437,11 +457,21 @@ def _layer(cfg: ModelConfig, x_bld, p, cos, sin, mask_bls, cache=None, layer=Non
   # A kernel step's few rows (x [B, L, D]) go through the kernel's products too (`_proj`).
   small = write and x_bld.shape[0] * x_bld.shape[1] <= SMALL_MATMUL_ROWS
   h = rms_norm(x_bld, p["attn_norm"], cfg.rms_norm_eps)
-  q = _proj(h, w("q_proj"), 1, small)
-  k = _proj(h, w("k_proj"), 1, small)
-  v = _proj(h, w("v_proj"), 1, small)
-  if cfg.qkv_bias:
-    q, k, v = q + w("q_bias"), k + w("k_bias"), v + w("v_bias")
+  if "qkv_proj" in p:                       # fused (`for_decode`)
+    qkv = _proj(h, w("qkv_proj"), 1, small)
+    if cfg.qkv_bias:
+      qkv = qkv + w("qkv_bias")
+    hd, nq, nk = cfg.head_dim, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    lead = qkv.shape[:2]
+    q = qkv[..., :nq].reshape(*lead, cfg.num_heads, hd)
+    k = qkv[..., nq:nq + nk].reshape(*lead, cfg.num_kv_heads, hd)
+    v = qkv[..., nq + nk:].reshape(*lead, cfg.num_kv_heads, hd)
+  else:
+    q = _proj(h, w("q_proj"), 1, small)
+    k = _proj(h, w("k_proj"), 1, small)
+    v = _proj(h, w("v_proj"), 1, small)
+    if cfg.qkv_bias:
+      q, k, v = q + w("q_bias"), k + w("k_bias"), v + w("v_bias")
   if cfg.qk_norm:
     q = rms_norm(q, p["q_norm"], cfg.rms_norm_eps)
     k = rms_norm(k, p["k_norm"], cfg.rms_norm_eps)
@@ -463,7 +493,10 @@ def _layer(cfg: ModelConfig, x_bld, p, cos, sin, mask_bls, cache=None, layer=Non
   attn = attn.transpose(0, 3, 1, 2, 4).reshape(b, l, nh, hd)
   x_bld = x_bld + _proj(attn, w("o_proj"), 2, small)
   h = rms_norm(x_bld, p["mlp_norm"], cfg.rms_norm_eps)
-  if small:
+  if "gate_up_proj" in p:                   # fused (`for_decode`); inference only
+    gate, up = jnp.split(_proj(h, w("gate_up_proj"), 1, small), 2, axis=-1)
+    x_bld = x_bld + _proj(jax.nn.silu(gate) * up, w("down_proj"), 1, small)
+  elif small:
     gate, up = _proj(h, w("gate_proj"), 1, True), _proj(h, w("up_proj"), 1, True)
     x_bld = x_bld + _proj(jax.nn.silu(gate) * up, w("down_proj"), 1, True)
   else:

@@ -201,8 +201,8 @@ def _decode_loop(policy, params, steps: int = 4):
 
 
 def test_decode_loop_with_the_kernel_writes_the_cache_in_place(micro, monkeypatch):
-  """With the kernel, the layers are unstacked once before the loop, each layer's call writes
-  its keys and values in place, and the compiled loop copies neither the cache nor a weight; the
+  """With the kernel, the layers are unstacked (q/k/v and gate/up fused) once before the loop,
+  each layer's call writes its keys and values in place, and the compiled loop copies neither the cache nor a weight; the
   result is XLA's (its scan over the stacked layers with one scatter per step)."""
   monkeypatch.setenv(decoder.CACHE_ATTENTION_ENV, "xla")
   assert decoder.for_decode(micro.config, micro.params) is micro.params
@@ -210,6 +210,8 @@ def test_decode_loop_with_the_kernel_writes_the_cache_in_place(micro, monkeypatc
   monkeypatch.setenv(decoder.CACHE_ATTENTION_ENV, "kernel")
   unstacked = decoder.for_decode(micro.config, micro.params)
   assert len(unstacked["layers"]) == micro.config.num_layers
+  assert {"qkv_proj", "gate_up_proj"} <= set(unstacked["layers"][0])       # fused products
+  assert "q_proj" not in unstacked["layers"][0]
   cfg, w = micro.config, micro.params["layers"]["gate_proj"]
   cache_k = f"f32[{cfg.num_layers},3,{cfg.num_kv_heads},{cfg.head_dim},16]"
   weight = "f32[{},{}]".format(*w.shape[1:])
