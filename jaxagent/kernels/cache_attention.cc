@@ -339,9 +339,9 @@ bool CacheShapes(ffi::Span<const int64_t> kd, ffi::Span<const int64_t> vd) {
 // values into slots [length[b], length[b] + L) of kout/vout (slots past the capacity are dropped),
 // so a layer's read and its cache write are one pass and one custom call.
 ffi::Error Run(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& q, const float* k_all,
-               const float* v_all, ffi::Span<const int64_t> kd, int32_t li, const int32_t* len, float* mo,
-               float* dno, float* ao, float scale, const float* knew, const float* vnew,
-               int64_t l, float* kout, float* vout) {
+               const float* v_all, ffi::Span<const int64_t> kd, int32_t li,
+               const int32_t* len, float* mo, float* dno, float* ao, float scale,
+               const float* knew, const float* vnew, int64_t l, float* kout, float* vout) {
   auto qd = q.dimensions();
   if (kd.size() != 5 || qd.size() != 4) {
     return ffi::Error::InvalidArgument("cache_attention: want q [B,K,R,hd], k [Ly,B,K,hd,S]");

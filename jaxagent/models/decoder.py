@@ -3,8 +3,10 @@
 GQA attention with RoPE (default, linear or llama3 scaling), RMSNorm, SwiGLU MLP, optional qkv
 bias (Qwen2) and q/k RMSNorm (Qwen3), tied or untied embeddings. Layer parameters are stacked on
 a leading `layers` axis and the forward pass is a `lax.scan` over layers, so compile time does not
-grow with depth. Every parameter carries `logical_axes` metadata (embed, mlp, heads, kv_heads,
-head_dim, vocab, layers) that `jaxagent.sharding` maps onto a mesh.
+grow with depth (except in CPU-kernel decode loops, whose layers `for_decode` unstacks: there each
+step reads the weights in place instead of copying them out of the stack). Every parameter
+carries `logical_axes` metadata (embed, mlp, heads, kv_heads, head_dim, vocab, layers) that
+`jaxagent.sharding` maps onto a mesh.
 
 The hot path is the pure function `apply(cfg, params, tokens, positions, ...)` on a nested dict of
 arrays; the NNX module defines the parameters and their metadata.
