@@ -58,12 +58,17 @@ loc(axes, shape) = elements of that global shape on one device under the rules (
                 batch over (data, fsdp), kv_heads over tensor) + 4*loc(G) lengths
   rollout_buffers = 36*loc(G, S): the engine's four [B, S] transcript buffers (16 bytes per
                 token) and the returned trajectory's five (20 bytes per token)
-  rollout_transient = one prefill chunk of the prompt (`sampler.prefill` appends at most
-                C = min(P, PREFILL_CHUNK) tokens at a time; nothing is saved across layers):
-                (8 + c)*loc(G, H, C, C + CB) + loc(G, C, C) -- float32 scores of the chunk
-                against itself and one cache block of CB = CACHE_BLOCK slots, their masked copy
-                and the probabilities of one layer, plus the bool mask -- and 4*loc(G, V), the
-                float32 logits of each row's last token (the only position unembedded)
+  rollout_transient = one prefill chunk of the prompt (`sampler.prefill` appends equal chunks
+                of C = chunk_width(P, PREFILL_CHUNK) <= 128 tokens; nothing is saved across
+                layers): (8 + c)*loc(G, H, C, C + CB) + loc(G, C, C) -- float32 scores of the
+                chunk against itself and one cache block of CB = CACHE_BLOCK slots, their masked
+                copy and the probabilities of one layer, plus the bool mask -- + 4*loc(G, V), the
+                float32 logits of each row's last token (the only position unembedded), + one
+                layer's activations of the chunk, c*(3*loc(G, C, F) + loc(G, C, H + 2K, hd) +
+                4*loc(G, C, D)): gate, up and their product; q, k, v; the layer's input, its
+                norm, the attention output and the residual sum. With smaller chunks the scores
+                shrink as C^2 and these as C, so they had to be counted (at C = 100 they are a
+                third of XLA's compiled rollout temp on the 1x8x1 mesh of the test)
   trajectory  = 20*loc(G, S) (tokens, positions, loss mask, behaviour log-probs, turn ids)
 
 Phases: persistent = params + optimizer + reference; rollout = kv_cache + rollout_buffers +
@@ -94,7 +99,7 @@ from jaxagent.learners.update import LearnerConfig, make_optimizer
 from jaxagent.models import decoder, gguf_io, hf_io
 from jaxagent.models.config import ModelConfig
 from jaxagent.models.policy import load_config_and_tokenizer, resolve_path
-from jaxagent.models.sampler import PREFILL_CHUNK
+from jaxagent.models.sampler import PREFILL_CHUNK, chunk_width
 from jaxagent.rollout.api import default_context_len
 from jaxagent.rollout.budget import Budget
 from jaxagent.sharding.mesh import MESH_AXES, logical_to_spec, mesh_sizes
@@ -405,13 +410,18 @@ def plan(model_cfg: ModelConfig, mesh_shape: Mapping[str, int], *, param_dtype: 
   kv = kv_cache_bytes(cfg, mesh, g, seq_len)
   rollout_buffers = _ROLLOUT_BUFFER_BYTES * tok_g
   c = cfg.jnp_dtype.itemsize
-  chunk = min(p_len, PREFILL_CHUNK)
+  chunk = chunk_width(p_len, PREFILL_CHUNK)
   block = min(decoder.CACHE_BLOCK, seq_len)
   prompt_scores = local_elements(("batch", "heads", None, None),
                                  (g, cfg.num_heads, chunk, chunk + block), mesh)
   prompt_mask = local_elements(("batch", None, None), (g, chunk, chunk), mesh)
   last_logits = local_elements(("batch", "vocab"), (g, cfg.vocab_size), mesh)
-  rollout_transient = (8 + c) * prompt_scores + prompt_mask + 4 * last_logits
+  chunk_layer = c * (
+      3 * local_elements(("batch", None, "mlp"), (g, chunk, cfg.intermediate_size), mesh)
+      + local_elements(("batch", None, "heads", "head_dim"),
+                       (g, chunk, cfg.num_heads + 2 * cfg.num_kv_heads, cfg.head_dim), mesh)
+      + 4 * local_elements(("batch", None, None), (g, chunk, cfg.hidden_size), mesh))
+  rollout_transient = (8 + c) * prompt_scores + prompt_mask + 4 * last_logits + chunk_layer
   reference_pass = 0
   if reference_policy == "host":
     chunk = min(logprob_chunk, max(seq_len - 1, 1))

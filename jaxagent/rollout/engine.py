@@ -85,8 +85,9 @@ class _Carry:
 
 # Observation tokens per prefill chunk. The observation buffer is as wide as the environment's
 # longest possible observation (`max_step_obs_len`), often twice the longest real one in a batch;
-# in chunks of this many only those up to the batch's longest real row run (`sampler.prefill`).
-# Measured 2026-12-06 on the peers' workload (lookup, 4 hops: 97-wide buffer, <= 49 real tokens).
+# in equal chunks of at most this many (`sampler.chunk_width`) only those up to the batch's longest
+# real row run (`sampler.prefill`). Measured on the peers' workload (lookup, 4 hops: a 97-wide
+# buffer of <= 50 real tokens with the forced <eot>, so 2 chunks of 25 run; 2026-12-06 and -07).
 OBSERVE_CHUNK = 32
 
 

@@ -334,3 +334,28 @@ def test_prefill_runs_only_the_chunks_the_longest_row_needs(params):
   _, untouched = prefill(CFG, params, marked, toks, jnp.zeros_like(lens), chunk=4)
   assert np.all(np.asarray(untouched.k) == 7.0) and np.all(np.asarray(untouched.v) == 7.0)
   np.testing.assert_array_equal(untouched.length, 0)
+
+
+def test_prefill_splits_a_buffer_into_equal_chunks(params):
+  """`chunk_width` is the fewest chunks of at most `chunk`, all one width (224 -> 2 x 112, a
+  97-wide observation with chunks of 32 -> 25). A 14-wide buffer with chunk 6 runs chunks of 5:
+  rows of <= 5 tokens run one (slot 5 onwards untouched, where a 6-wide chunk would write slot
+  5), with the same logits and cache as one chunk."""
+  assert [sampler.chunk_width(w, c) for w, c in [(224, 128), (97, 32), (128, 128), (129, 128),
+                                                 (14, 6), (14, 4), (5, 8)]] == [
+                                                     112, 25, 128, 65, 5, 4, 5]
+  rng = np.random.RandomState(9)
+  prompts = [rng.randint(1, 64, size=n).tolist() for n in (5, 3, 1)]
+  toks, lens = _right_padded(prompts, 14)
+  prefill = jax.jit(sampler.prefill, static_argnames=("cfg", "chunk"))
+  marked = decoder.init_cache(CFG, 3, 16)
+  marked = marked.replace(k=jnp.full(marked.k.shape, 7.0, marked.k.dtype),
+                          v=jnp.full(marked.v.shape, 7.0, marked.v.dtype))
+  one, c1 = prefill(CFG, params, marked, toks, lens, chunk=16)
+  split, cache = prefill(CFG, params, marked, toks, lens, chunk=6)
+  np.testing.assert_allclose(np.asarray(split), np.asarray(one), atol=1e-5)
+  np.testing.assert_array_equal(cache.length, lens)
+  np.testing.assert_allclose(np.asarray(cache.k)[0, 0, :, :, :5], np.asarray(c1.k)[0, 0, :, :, :5],
+                             atol=1e-5)
+  assert np.all(np.asarray(cache.k)[..., 5:] == 7.0)           # k: slots last
+  assert np.all(np.asarray(cache.v)[:, :, :, 5:] == 7.0)

@@ -203,16 +203,19 @@ def _micro_cfg() -> ModelConfig:
 
 def test_check_fits_raises_naming_changes_that_fit():
   cfg = _micro_cfg()
+  # A 64-token first prompt in a 256-token context. (With the whole context as the prompt, its
+  # 128-token prefill chunk alone, in the rollout phase, is over the budget below, so no number
+  # of minibatches, which only shrink the update, fits.)
   p = memory.plan(cfg, {"data": 2, "fsdp": 1, "tensor": 1}, global_batch=16, seq_len=256,
-                  minibatches=2, reference_policy="device")
+                  minibatches=2, reference_policy="device", prefill_len=64)
   memory.check_fits(p, p.total)          # exactly enough: no error
   memory.check_fits(p, None)             # unknown memory (CPU): nothing to check
   # Between the plans with a quarter and a half of the episodes: halving is not enough, so the
   # batch suggestion must go down to a quarter.
   quarter = memory.plan(cfg, p.mesh_shape, global_batch=4, seq_len=256, minibatches=2,
-                        reference_policy="device")
+                        reference_policy="device", prefill_len=64)
   half = memory.plan(cfg, p.mesh_shape, global_batch=8, seq_len=256, minibatches=2,
-                     reference_policy="device")
+                     reference_policy="device", prefill_len=64)
   budget = (quarter.total + half.total) // 2
   with pytest.raises(ValueError) as info:
     memory.check_fits(p, budget)
@@ -227,7 +230,7 @@ def test_check_fits_raises_naming_changes_that_fit():
   fixes = memory.suggestions(p, budget)
   assert fixes and all(f in msg for f in fixes)
   fits = lambda mesh, m=2: memory.plan(cfg, mesh, global_batch=16, seq_len=256, minibatches=m,
-                                      reference_policy="device").fits(budget)
+                                      reference_policy="device", prefill_len=64).fits(budget)
   # Moving the data axis onto fsdp (same 2 devices) splits the batch no further: not enough;
   # 4x the devices on fsdp is the smallest that fits.
   assert "raise mesh.fsdp from 1 to 4 (4x the devices)" in fixes
