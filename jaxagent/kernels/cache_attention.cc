@@ -6,7 +6,10 @@
 //   score[s] = scale * q[b,k,r,:] . K[layer,b,k,:,s]
 //   m = max_s score,  den = sum_s exp(score - m),  acc = sum_s exp(score - m) V[layer,b,k,s,:]
 // The caller merges (m, den, acc) with the chunk's own scores (an online-softmax merge). A row
-// with no valid slot gets m = -1e30, den = 0, acc = 0.
+// with no valid slot gets m = -1e30, den = 0, acc = 0. The write variant first writes the chunk's
+// L keys and values into slots [length[b], length[b] + L), then reads causally: query r (chunk
+// position r % L) sees slots [0, length[b] + r % L + 1), so its results are the whole attention
+// and nothing is left to merge.
 //
 // XLA:CPU runs the same maths as a loop of 128-slot blocks, each a dynamic-slice copy and two
 // tiny batched products; here each (b, k) pair streams its keys and values once, straight from
@@ -82,11 +85,19 @@ void Softmax(float* sc, int64_t r, int64_t n, float* m_out, float* den_out) {
 
 constexpr int64_t kTile = 32;   // slots per score tile of the generic path
 
+// Slots query i sees: the first n, or with a causal chunk of lc > 0 queries (query i at chunk
+// position i % lc, its own slot at n + i % lc) the first n + i % lc + 1; never past s.
+inline int64_t Seen(int64_t n, int64_t i, int64_t lc, int64_t s) {
+  return lc > 0 ? std::min(n + i % lc + 1, s) : n;
+}
+
 // One (b, k) pair, any head size (the generic path): r queries q [r, hd], keys [hd, s] (slots
-// contiguous), values [s, hd]; the first n slots are valid.
+// contiguous), values [s, hd]; query i sees Seen(n, i, lc, s) slots.
 void Pair(const float* q, const float* keys, const float* vals, int64_t n, int64_t r, int64_t hd,
           int64_t s, float scale, float* m_out, float* den_out, float* acc_out,
-          std::vector<float>& buf) {
+          std::vector<float>& buf, int64_t lc) {
+  const int64_t before = n;
+  n = lc > 0 ? std::min(n + lc, s) : n;       // the slots any query sees
   if (n <= 0) {
     std::fill(m_out, m_out + r, kNeg);
     std::fill(den_out, den_out + r, 0.0f);
@@ -118,6 +129,9 @@ void Pair(const float* q, const float* keys, const float* vals, int64_t n, int64
       for (int64_t d = 0; d < hd; ++d) t += qs[i * hd + d] * keys[d * s + j];
       sc[i * n + j] = t;
     }
+  }
+  for (int64_t i = 0; lc > 0 && i < r; ++i) {
+    std::fill(sc + i * n + Seen(before, i, lc, s), sc + (i + 1) * n, kNeg);
   }
   Softmax(sc, r, n, m_out, den_out);
   for (int64_t i = 0; i < r; ++i) {
@@ -229,7 +243,9 @@ void Values(const float* p, const float* vals, int64_t tn, float* acc, int64_t i
 template <int64_t HD>
 void TiledPair(const float* q, const float* keys, const float* vals, int64_t n, int64_t r,
                int64_t, int64_t s, float scale, float* m_out, float* den_out, float* acc_out,
-               std::vector<float>& buf) {
+               std::vector<float>& buf, int64_t lc) {
+  const int64_t before = n;
+  n = lc > 0 ? std::min(n + lc, s) : n;       // the slots any query sees
   constexpr int64_t RB = 4;                              // score rows per register block
   constexpr int64_t RB2 = HD >= 128 ? 2 : 128 / HD;      // value rows per register block
   std::fill(m_out, m_out + r, kNeg);
@@ -256,7 +272,12 @@ void TiledPair(const float* q, const float* keys, const float* vals, int64_t n, 
     Scores<HD, RB>(qs, kt, ldk, sc, 0, r);
     for (int64_t i = 0; i < r; ++i) {   // online softmax: rescale what came before
       float* row = sc + i * kTileC;
-      std::fill(row + tn, row + kTileC, kNeg);
+      const int64_t ti = lc > 0 ? std::clamp<int64_t>(Seen(before, i, lc, s) - j0, 0, tn) : tn;
+      if (ti == 0) {                    // a causal query whose slots all came before this tile
+        std::fill(row, row + kTileC, 0.0f);
+        continue;
+      }
+      std::fill(row + ti, row + kTileC, kNeg);
       V16 mx = Load(row);
       for (int64_t v = 1; v < kNV; ++v) {
         const V16 x = Load(row + 16 * v);
@@ -282,7 +303,7 @@ void TiledPair(const float* q, const float* keys, const float* vals, int64_t n, 
 }
 
 using PairFn = void (*)(const float*, const float*, const float*, int64_t, int64_t, int64_t,
-                        int64_t, float, float*, float*, float*, std::vector<float>&);
+                        int64_t, float, float*, float*, float*, std::vector<float>&, int64_t);
 
 PairFn PickPair(int64_t hd) {
   switch (hd) {
@@ -335,9 +356,10 @@ bool CacheShapes(ffi::Span<const int64_t> kd, ffi::Span<const int64_t> vd) {
 }
 
 // The partials of layer `li` over slots [0, length[b]) for every (b, k) pair, shared out over
-// the pool. With `knew`/`vnew` ([B, K, L, hd]), each pair then writes its chunk's L keys and
-// values into slots [length[b], length[b] + L) of kout/vout (slots past the capacity are dropped),
-// so a layer's read and its cache write are one pass and one custom call.
+// the pool. With `knew`/`vnew` ([B, K, L, hd]), each pair first writes its chunk's L keys and
+// values into slots [length[b], length[b] + L) of kout/vout (slots past the capacity are dropped)
+// and then reads causally (see the top of the file), so a layer's cache write and its whole
+// attention are one pass and one custom call.
 ffi::Error Run(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& q, const float* k_all,
                const float* v_all, ffi::Span<const int64_t> kd, int32_t li,
                const int32_t* len, float* mo, float* dno, float* ao, float scale,
@@ -361,9 +383,7 @@ ffi::Error Run(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& q, const float* k_a
     const int64_t bi = p / sh.kh;
     const int64_t n = std::min<int64_t>(std::max<int32_t>(len[bi], 0), sh.s);
     const int64_t off = p * sh.hd * sh.s;
-    pair(qbase + p * sh.r * sh.hd, kbase + off, vbase + off, n, sh.r, sh.hd, sh.s, scale,
-         mo + p * sh.r, dno + p * sh.r, ao + p * sh.r * sh.hd, sc);
-    if (knew != nullptr) {            // after the read: it covers only slots before `n`
+    if (knew != nullptr) {            // before the read, which sees the chunk's own slots
       float* kt = kout + li * per_layer + off;             // [hd, S]
       float* vs = vout + li * per_layer + off;             // [S, hd]
       const float* kn = knew + p * l * sh.hd;              // [L, hd]
@@ -373,6 +393,8 @@ ffi::Error Run(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& q, const float* k_a
         std::copy(vn + j * sh.hd, vn + (j + 1) * sh.hd, vs + (n + j) * sh.hd);
       }
     }
+    pair(qbase + p * sh.r * sh.hd, kbase + off, vbase + off, n, sh.r, sh.hd, sh.s, scale,
+         mo + p * sh.r, dno + p * sh.r, ao + p * sh.r * sh.hd, sc, knew != nullptr ? l : 0);
   });
   return ffi::Error::Success();
 }
@@ -471,8 +493,9 @@ ffi::Error CacheAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
              acc->typed_data(), scale, nullptr, nullptr, 0, nullptr, nullptr);
 }
 
-// The same partials, then the chunk's keys and values written into the cache, which XLA passes
-// in place (the results alias the cache operands; a copy first if it ever does not).
+// The chunk's keys and values written into the cache, which XLA passes in place (the results
+// alias the cache operands; a copy first if it ever does not), then the causal partials over the
+// cache and the chunk.
 ffi::Error CacheAttentionWriteImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
                                    ffi::Buffer<ffi::F32> k_all, ffi::Buffer<ffi::F32> v_all,
                                    ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> length,

@@ -168,12 +168,17 @@ def cache_attention_partials(q, k_all, v_all, layer, length):
 
 
 def cache_attention_write(q, k_all, v_all, layer, length, k_new, v_new):
-  """`cache_attention_partials` over slots [0, length), then the chunk's keys and values
-  k_new, v_new [B, K, L, hd] written into slots [length, length + L) of `layer` (slots past the
-  capacity are dropped), in place: the new cache's buffers are the old ones (XLA aliases them),
-  so a decode loop that carries the cache never copies it.
+  """A chunk's whole attention over the cache and itself, with its keys and values written in.
 
-  Returns (m, den, acc, k_all, v_all), the partials as `cache_attention_partials`'."""
+  First k_new, v_new [B, K, L, hd] go into slots [length, length + L) of `layer` (slots past the
+  capacity are dropped), in place: the new cache's buffers are the old ones (XLA aliases them),
+  so a decode loop that carries the cache never copies it. Then the softmax partials as
+  `cache_attention_partials`', but causal over the chunk: q [B, K, R, hd] holds R = G x L
+  queries (G query heads x L chunk positions, position fastest), and the query at chunk position
+  i sees slots [0, length + i + 1) (the cache's valid slots, then the chunk up to itself). Every
+  query sees at least its own slot, so acc / den is its attention output.
+
+  Returns (m, den, acc, k_all, v_all)."""
   load()
   _check(q, k_all, v_all, "cache_attention_write")
   b, kh, _, hd = q.shape

@@ -272,27 +272,32 @@ def _kernel_cache_attention(q, k_all, v_all, layer, length, scores, v):
   return _kernel_block(q, k_all, v_all, layer, length, scores, v)[0].astype(q.dtype)
 
 
-def _kernel_block(q, k_all, v_all, layer, length, scores, v, k=None):
+def _kernel_block(q, k_all, v_all, layer, length, scores, v):
   """(out float32, m, den) [B, K, G, L, hd | 1]: the kernel's partials over slots [0, length)
   merged with the chunk's own masked scores [B, K, G, L, L] and values v; m and den are the
-  softmax's max and sum over every key the queries see. With the chunk's keys k [B, K, L, hd],
-  the same call also writes k and v into the cache at slots [length, length + L), and the
-  written (k_all, v_all) follow: (out, m, den, k_all, v_all)."""
+  softmax's max and sum over every key the queries see."""
   b, kh, g, l, hd = q.shape
-  qr = q.reshape(b, kh, g * l, hd)
-  if k is None:
-    mc, dc, ac = cpu.cache_attention_partials(qr, k_all, v_all, layer, length)
-  else:
-    mc, dc, ac, k_all, v_all = cpu.cache_attention_write(qr, k_all, v_all, layer, length, k, v)
+  mc, dc, ac = cpu.cache_attention_partials(q.reshape(b, kh, g * l, hd), k_all, v_all, layer,
+                                            length)
   mc, dc = mc.reshape(b, kh, g, l, 1), dc.reshape(b, kh, g, l, 1)
   m = jnp.maximum(mc, jnp.max(scores, axis=-1, keepdims=True))
   p, fix = jnp.exp(scores - m), jnp.exp(mc - m)
   den = dc * fix + jnp.sum(p, axis=-1, keepdims=True)
   acc = ac.reshape(b, kh, g, l, hd) * fix + jnp.einsum(
       "bkgls,bksd->bkgld", p, v, preferred_element_type=jnp.float32)
-  if k is None:
-    return acc / den, m, den
-  return acc / den, m, den, k_all, v_all
+  return acc / den, m, den
+
+
+def _kernel_write_attention(q, k_all, v_all, layer, length, k, v):
+  """A cache-mode chunk's attention (causal over the cache's valid slots and the chunk) in one
+  kernel call that first writes the chunk's keys and values k, v [B, K, L, hd] into the cache at
+  slots [length, length + L): (out [B, K, G, L, hd], k_all, v_all). No scores go through XLA
+  (for a 112-token prompt chunk its own [L, L] products were ~27 GFLOP/s there)."""
+  b, kh, g, l, hd = q.shape
+  _, den, acc, k_all, v_all = cpu.cache_attention_write(q.reshape(b, kh, g * l, hd), k_all,
+                                                        v_all, layer, length, k, v)
+  out = acc / den[..., None]
+  return out.reshape(b, kh, g, l, hd).astype(q.dtype), k_all, v_all
 
 
 def _dense_cache_attention(q, k_all, v_all, layer, length, scores, v):
@@ -485,13 +490,11 @@ def _layer(cfg: ModelConfig, x_bld, p, cos, sin, mask_bls, cache=None, layer=Non
   q = q.reshape(b, l, cfg.num_kv_heads, groups, hd).transpose(0, 2, 3, 1, 4)   # [B, K, G, L, hd]
   if cache is None:
     attn = causal_attention(q, k, v, mask_bls, query_block, key_lengths)
+  elif write:          # the cache mode's mask is causal, which the kernel applies itself
+    attn, k, v = _kernel_write_attention(q, cache.k, cache.v, layer, cache.length, k, v)
   else:
     scores = _block_scores(q, k, mask_bls, 0, l)
-    if write:
-      attn, _, _, k, v = _kernel_block(q, cache.k, cache.v, layer, cache.length, scores, v, k)
-      attn = attn.astype(q.dtype)
-    else:
-      attn = _cache_attention(q, cache.k, cache.v, layer, cache.length, scores, v, cache_block)
+    attn = _cache_attention(q, cache.k, cache.v, layer, cache.length, scores, v, cache_block)
   attn = attn.transpose(0, 3, 1, 2, 4).reshape(b, l, nh, hd)
   x_bld = x_bld + _proj(attn, w("o_proj"), 2, small)
   h = rms_norm(x_bld, p["mlp_norm"], cfg.rms_norm_eps)

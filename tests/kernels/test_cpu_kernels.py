@@ -75,22 +75,38 @@ def test_partials_reject_mismatched_shapes():
                                  jnp.zeros((2,), jnp.int32))
 
 
-def test_write_reads_the_old_slots_then_writes_the_chunk_in_place():
-  """`cache_attention_write`: the partials of the cache before the write, then the chunk's keys
-  and values at slots [length, length + L) of the one layer, dropped past the capacity; every
-  other slot and layer as it was."""
-  rng = np.random.default_rng(5)
-  layers, b, kh, r, hd, s, l = 2, 5, 2, 6, 32, 20, 3
-  q = rng.normal(size=(b, kh, r, hd)).astype(np.float32)
+def _causal_reference(q, k, v, length, l):
+  """float64 (m, den, acc) of q [B,K,R,hd] (R = G x L, chunk position r % L) over the written
+  cache k [B,K,hd,S], v [B,K,S,hd]: query r sees slots [0, min(length + r % L + 1, S))."""
+  q, k, v = (np.asarray(a, np.float64) for a in (q, k, v))
+  b, kh, r, hd = q.shape
+  sc = np.einsum("bkrd,bkds->bkrs", q, k) * hd ** -0.5
+  seen = np.minimum(np.asarray(length)[:, None] + np.arange(r)[None, :] % l + 1, k.shape[-1])
+  ok = np.arange(k.shape[-1])[None, None, :] < seen[:, :, None]            # [B, R, S]
+  sc = np.where(ok[:, None], sc, -np.inf)
+  m = sc.max(-1)
+  p = np.exp(sc - m[..., None])
+  return m, p.sum(-1), np.einsum("bkrs,bksd->bkrd", p, v)
+
+
+# Tiled head sizes (32, 64, 128) and the generic one (24, one query per row only); chunks of 1
+# to 70 positions, crossing the 64-slot tiles, with 1 to 3 query heads per kv head.
+@pytest.mark.parametrize("hd, g, l", [(32, 2, 3), (64, 1, 70), (128, 3, 5), (32, 2, 1),
+                                      (24, 2, 1), (32, 1, 25)])
+def test_write_puts_the_chunk_in_place_then_reads_causally(hd, g, l):
+  """`cache_attention_write`: the chunk's keys and values at slots [length, length + L) of the
+  one layer, dropped past the capacity, every other slot and layer as it was; then each query's
+  partials over the written cache up to its own slot, against float64."""
+  rng = np.random.default_rng(hd + g + l)
+  layers, b, kh, s = 2, 6, 2, 150
+  q = rng.normal(size=(b, kh, g * l, hd)).astype(np.float32)
   k_all = rng.normal(size=(layers, b, kh, hd, s)).astype(np.float32)
   v_all = rng.normal(size=(layers, b, kh, s, hd)).astype(np.float32)
   k_new = rng.normal(size=(b, kh, l, hd)).astype(np.float32)
   v_new = rng.normal(size=(b, kh, l, hd)).astype(np.float32)
-  length = np.array([0, 4, s - 2, s - 1, s], np.int32)     # the last rows overrun the capacity
+  # Empty, a tile's edge, mid-tile, and rows whose chunk overruns the capacity.
+  length = np.array([0, 63, 100, s - l, s - 1, s], np.int32)
   got = jax.jit(cpu.cache_attention_write)(q, k_all, v_all, 1, length, k_new, v_new)
-  want = cpu.cache_attention_partials(q, k_all, v_all, 1, length)
-  for g, w in zip(got[:3], want):
-    np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
   k_ref, v_ref = k_all.copy(), v_all.copy()
   for i, n in enumerate(length):
     for j in range(min(l, s - n)):
@@ -98,6 +114,10 @@ def test_write_reads_the_old_slots_then_writes_the_chunk_in_place():
       v_ref[1, i, :, n + j] = v_new[i, :, j]
   np.testing.assert_array_equal(np.asarray(got[3]), k_ref)
   np.testing.assert_array_equal(np.asarray(got[4]), v_ref)
+  rm, rden, racc = _causal_reference(q, k_ref[1], v_ref[1], length, l)
+  np.testing.assert_allclose(np.asarray(got[0]), rm, rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(np.asarray(got[1]), rden, rtol=1e-4)
+  np.testing.assert_allclose(np.asarray(got[2]), racc, rtol=1e-4, atol=1e-4)
   with pytest.raises(ValueError, match="cache_attention_write: k_new"):
     cpu.cache_attention_write(q, k_all, v_all, 1, length, k_new[:, :, :, :16], v_new)
 
