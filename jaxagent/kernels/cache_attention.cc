@@ -169,10 +169,24 @@ inline V16 ExpV(V16 x) {
   return x <= lo ? Splat(0.0f) : e;
 }
 
+// The largest of 16 lanes: a tree of 4 lane shuffles where the compiler has them (GCC 12+,
+// clang), not a chain of 15 dependent scalar maxima once per query and tile.
 inline float HMax(V16 v) {
+#if defined(__clang__) || (defined(__GNUC__) && __GNUC__ >= 12)
+  V16 t = __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
+  v = v > t ? v : t;
+  t = __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
+  v = v > t ? v : t;
+  t = __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
+  v = v > t ? v : t;
+  t = __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
+  v = v > t ? v : t;
+  return v[0];
+#else
   float m = v[0];
   for (int i = 1; i < 16; ++i) m = std::max(m, v[i]);
   return m;
+#endif
 }
 inline float HSum(V16 v) {
   float s = 0.0f;
@@ -252,10 +266,12 @@ void TiledPair(const float* q, const float* keys, const float* vals, int64_t n, 
   std::fill(den_out, den_out + r, 0.0f);
   std::fill(acc_out, acc_out + r * HD, 0.0f);
   if (n <= 0) return;
-  buf.resize(r * HD + r * kTileC + HD * kTileC);
+  buf.resize(r * HD + r * kTileC + HD * kTileC + 16 * r);
   float* qs = buf.data();
   float* sc = qs + r * HD;
   float* ktail = sc + r * kTileC;
+  float* dens = ktail + HD * kTileC;   // [r, 16]: each query's softmax sum, lane by lane
+  std::fill(dens, dens + 16 * r, 0.0f);
   for (int64_t i = 0; i < r * HD; ++i) qs[i] = q[i] * scale;
   for (int64_t j0 = 0; j0 < n; j0 += kTileC) {
     const int64_t tn = std::min(kTileC, n - j0);
@@ -291,15 +307,16 @@ void TiledPair(const float* q, const float* keys, const float* vals, int64_t n, 
         Store(row + 16 * v, e);
         sum += e;
       }
-      den_out[i] = den_out[i] * alpha + HSum(sum);
+      Store(dens + 16 * i, Load(dens + 16 * i) * alpha + sum);   // summed across lanes last
       m_out[i] = m_new;
       if (alpha != 1.0f) {
         float* a = acc_out + i * HD;
-        for (int64_t d = 0; d < HD; ++d) a[d] *= alpha;
+        for (int64_t d = 0; d < HD; d += 16) Store(a + d, Load(a + d) * alpha);
       }
     }
     Values<HD, RB2>(sc, vals + j0 * HD, tn, acc_out, 0, r);
   }
+  for (int64_t i = 0; i < r; ++i) den_out[i] = HSum(Load(dens + 16 * i));
 }
 
 using PairFn = void (*)(const float*, const float*, const float*, int64_t, int64_t, int64_t,
