@@ -456,8 +456,9 @@ def _layer(cfg: ModelConfig, x_bld, p, cos, sin, mask_bls, cache=None, layer=Non
   Queries attend the chunk under `mask_bls` [B, L, L] and, with a `cache`, its valid slots too.
   XLA's paths only read the cache: the caller writes the chunk's k/v into it once, after all
   layers (writing each layer's slice inside the layer loop made XLA copy the cache every decode
-  step). With `write` (the CPU kernel, `_kernel_writes`), the kernel call that reads this layer's
-  cache also writes its k/v in place, and the written cache's (k, v) come back instead.
+  step). With `write` (the CPU kernel, `_kernel_writes`), one kernel call writes this layer's
+  k/v into the cache in place and then does the chunk's whole attention over the cache and the
+  chunk (`_kernel_write_attention`), and the written cache's (k, v) come back instead.
   """
   dt = cfg.jnp_dtype
   w = lambda name: p[name].astype(dt)
@@ -625,8 +626,8 @@ def apply(cfg: ModelConfig, params: dict, tokens, positions=None, *, attention_m
   else:
     layers = params["layers"]
     if _kernel_writes(cfg, cache, l):
-      # Each layer's kernel call reads its cache and writes its k/v in place: the cache is the
-      # layer loop's carry, and no scatter follows.
+      # Each layer's kernel call writes its k/v into the cache in place, then reads it: the cache
+      # is the layer loop's carry, and no scatter follows.
       def body(carry, p):
         x, i, kc, vc = carry
         x, kc, vc = _layer(cfg, constrain_batch(x), p, cos, sin, mask, cache.replace(k=kc, v=vc),
