@@ -313,25 +313,35 @@ def test_chunked_prefill_equals_one_chunk(params):
     np.testing.assert_allclose(np.asarray(many)[b], full[b, len(p) - 1], atol=1e-4)
 
 
+_PREFILL = jax.jit(sampler.prefill, static_argnames=("cfg", "chunk"))
+
+
+def _chunked_like_one(params, seed: int, sizes, width: int, capacity: int, chunk: int):
+  """Random prompts of `sizes` tokens right-padded to `width`, prefilled into a cache whose every
+  k/v slot holds 7.0 (to see which slots a prefill writes) as one chunk and in chunks of at most
+  `chunk`: asserts the same last logits and lengths; returns (tokens, lengths, the marked cache,
+  the one-chunk cache, the chunked cache)."""
+  rng = np.random.RandomState(seed)
+  toks, lens = _right_padded([rng.randint(1, 64, size=n).tolist() for n in sizes], width)
+  marked = decoder.init_cache(CFG, len(sizes), capacity)
+  marked = marked.replace(k=jnp.full(marked.k.shape, 7.0, marked.k.dtype),
+                          v=jnp.full(marked.v.shape, 7.0, marked.v.dtype))
+  one, one_cache = _PREFILL(CFG, params, marked, toks, lens, chunk=width)
+  many, cache = _PREFILL(CFG, params, marked, toks, lens, chunk=chunk)
+  np.testing.assert_allclose(np.asarray(many), np.asarray(one), atol=1e-5)
+  np.testing.assert_array_equal(cache.length, lens)
+  return toks, lens, marked, one_cache, cache
+
+
 def test_prefill_runs_only_the_chunks_the_longest_row_needs(params):
   """A buffer far wider than its rows (24 columns, rows of <= 5 tokens, chunks of 4): the same
   logits as one chunk, and only two chunks run (a third would write past slot 8). With every
   row empty, no chunk runs and the cache is untouched."""
-  rng = np.random.RandomState(8)
-  prompts = [rng.randint(1, 64, size=n).tolist() for n in (5, 2, 4)]
-  toks, lens = _right_padded(prompts, 24)
-  prefill = jax.jit(sampler.prefill, static_argnames=("cfg", "chunk"))
-  marked = decoder.init_cache(CFG, 3, 32)
-  marked = marked.replace(k=jnp.full(marked.k.shape, 7.0, marked.k.dtype),
-                          v=jnp.full(marked.v.shape, 7.0, marked.v.dtype))
-  one, _ = prefill(CFG, params, marked, toks, lens, chunk=32)
-  many, cache = prefill(CFG, params, marked, toks, lens, chunk=4)
-  np.testing.assert_allclose(np.asarray(many), np.asarray(one), atol=1e-5)
-  np.testing.assert_array_equal(cache.length, lens)
+  toks, lens, marked, _, cache = _chunked_like_one(params, 8, (5, 2, 4), 24, 32, 4)
   assert np.all(np.asarray(cache.k)[..., 8:] == 7.0)           # k: slots last
   assert np.all(np.asarray(cache.v)[:, :, :, 8:] == 7.0)
   assert not np.all(np.asarray(cache.k)[..., 4:8] == 7.0)      # the second chunk ran
-  _, untouched = prefill(CFG, params, marked, toks, jnp.zeros_like(lens), chunk=4)
+  _, untouched = _PREFILL(CFG, params, marked, toks, jnp.zeros_like(lens), chunk=4)
   assert np.all(np.asarray(untouched.k) == 7.0) and np.all(np.asarray(untouched.v) == 7.0)
   np.testing.assert_array_equal(untouched.length, 0)
 
@@ -344,17 +354,7 @@ def test_prefill_splits_a_buffer_into_equal_chunks(params):
   assert [sampler.chunk_width(w, c) for w, c in [(224, 128), (97, 32), (128, 128), (129, 128),
                                                  (14, 6), (14, 4), (5, 8)]] == [
                                                      112, 25, 128, 65, 5, 4, 5]
-  rng = np.random.RandomState(9)
-  prompts = [rng.randint(1, 64, size=n).tolist() for n in (5, 3, 1)]
-  toks, lens = _right_padded(prompts, 14)
-  prefill = jax.jit(sampler.prefill, static_argnames=("cfg", "chunk"))
-  marked = decoder.init_cache(CFG, 3, 16)
-  marked = marked.replace(k=jnp.full(marked.k.shape, 7.0, marked.k.dtype),
-                          v=jnp.full(marked.v.shape, 7.0, marked.v.dtype))
-  one, c1 = prefill(CFG, params, marked, toks, lens, chunk=16)
-  split, cache = prefill(CFG, params, marked, toks, lens, chunk=6)
-  np.testing.assert_allclose(np.asarray(split), np.asarray(one), atol=1e-5)
-  np.testing.assert_array_equal(cache.length, lens)
+  _, _, _, c1, cache = _chunked_like_one(params, 9, (5, 3, 1), 14, 16, 6)
   np.testing.assert_allclose(np.asarray(cache.k)[0, 0, :, :, :5], np.asarray(c1.k)[0, 0, :, :, :5],
                              atol=1e-5)
   assert np.all(np.asarray(cache.k)[..., 5:] == 7.0)           # k: slots last
