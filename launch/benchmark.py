@@ -308,8 +308,8 @@ def decode_only(policy, env, tasks, group: int, traj, repeats: int) -> dict:
   """The rollout's generated tokens, row by row, decoded with no environment: after one prefill
   of the first observation (timed apart, as `first_prefill_seconds`: the bound below counts
   decode's bytes only), sampling with no stop token for exactly as many tokens as the row
-  generated in the rollout. Reports the decode's time, tokens/s and the bytes its bandwidth bound reads (`with_limits`
-  turns them into seconds)."""
+  generated in the rollout. Reports the decode's time, tokens/s and the bytes its bandwidth
+  bound reads (`with_limits` turns them into seconds)."""
   b = int(traj.batch_size)
   cfg, params = policy.config, policy.params
   batch, _, _, _ = build_batch(env, jax.random.key(0), tasks, group)

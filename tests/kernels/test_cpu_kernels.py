@@ -223,7 +223,8 @@ def _decode_loop(policy, params, steps: int = 4):
 def test_decode_loop_with_the_kernel_writes_the_cache_in_place(micro, monkeypatch):
   """With the kernel, the layers are unstacked (q/k/v and gate/up fused) once before the loop,
   each layer's call writes its keys and values in place, and the compiled loop copies neither
-  the cache nor a weight; the result is XLA's (its scan over the stacked layers with one scatter per step)."""
+  the cache nor a weight; the result is XLA's (its scan over the stacked layers with one scatter
+  per step)."""
   monkeypatch.setenv(decoder.CACHE_ATTENTION_ENV, "xla")
   assert decoder.for_decode(micro.config, micro.params) is micro.params
   want = _decode_loop(micro, micro.params)
