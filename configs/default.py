@@ -29,6 +29,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.model.init_from = ""
   # Load weights holding NaN or Inf (logged, not refused): only to inspect a damaged checkpoint.
   c.model.allow_nonfinite_weights = False
+  # The attention path: "auto" (the CPU kernel only where it measured faster than XLA here),
+  # "xla" or "kernel"; "" takes JAXAGENT_CACHE_ATTENTION, else auto. A speed choice only.
+  c.model.attention = ""
 
   # Mesh axis sizes; -1 takes the remaining devices.
   c.mesh = ml_collections.ConfigDict({"data": 1, "fsdp": -1, "tensor": 1})

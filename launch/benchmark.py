@@ -53,7 +53,7 @@ from jaxagent.envs.base import TokenBuffer
 from jaxagent.envs.host import HostLookupEnv
 from jaxagent.eval.plots import _save, plt
 from jaxagent.learners.update import LearnerConfig, init_train_state, make_update_fn
-from jaxagent.models import decoder, from_pretrained, sampler
+from jaxagent.models import attention, decoder, from_pretrained, sampler
 from jaxagent.models.policy import Policy, init_sharded
 from jaxagent.planning.flops import (bandwidth_bound, decode_bound_bytes, matmul_flops,
                                      param_counts, tree_bytes, update_flops, utilisation)
@@ -103,18 +103,12 @@ def _timed(fn, repeats: int):
   return statistics.median(times), out
 
 
-@contextlib.contextmanager
-def attention_path(mode: str):
-  """Programs traced inside read the KV cache by `mode` (decoder.CACHE_ATTENTION_ENV)."""
-  old = os.environ.get(decoder.CACHE_ATTENTION_ENV)
-  os.environ[decoder.CACHE_ATTENTION_ENV] = mode
-  try:
-    yield
-  finally:
-    if old is None:
-      os.environ.pop(decoder.CACHE_ATTENTION_ENV)
-    else:
-      os.environ[decoder.CACHE_ATTENTION_ENV] = old
+def with_attention(policy, mode: str | None):
+  """`policy` with its attention switch (`ModelConfig.attention`) at `mode` (None: as it is);
+  a new config, so its programs are compiled anew and never shared with the other path."""
+  if mode is None:
+    return policy
+  return dataclasses.replace(policy, config=dataclasses.replace(policy.config, attention=mode))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -265,10 +259,9 @@ def peer_section(base, repeats: int, workdir, episodes: int = PEER_EPISODES,
   secs, traj = _timed(_rollout_fn(policy, env, tasks, 1, turns, PEER_TOKENS), repeats)
   jax_row = _rollout_row(secs, traj, episodes)
   xla_row = None
-  if decoder.cache_kernel_enabled():      # the same rollout with XLA's cache attention, beside it
-    with attention_path("xla"):
-      xla_secs, xla_traj = _timed(_rollout_fn(policy, env, tasks, 1, turns, PEER_TOKENS),
-                                  repeats)
+  if attention.kernel_enabled(policy.config.attention):   # XLA's attention beside the kernel
+    xla_secs, xla_traj = _timed(_rollout_fn(with_attention(policy, "xla"), env, tasks, 1, turns,
+                                            PEER_TOKENS), repeats)
     xla_row = _rollout_row(xla_secs, xla_traj, episodes)
   eot, pad = int(env.codec.end_of_turn_id), int(env.codec.pad_id)
   gen = hf_generate(model, eot, pad)
@@ -402,7 +395,7 @@ def decode_step_profile(policy, batch: int, context: int, steps: int = 16,
                         v=jax.random.normal(key, cache.v.shape, cache.v.dtype))
   tok = jnp.ones((batch, 1), jnp.int32)
 
-  def stepper(block):
+  def stepper(block, cfg):
     def run(params, cache, length):
       def body(i, carry):
         c, acc = carry
@@ -413,17 +406,16 @@ def decode_step_profile(policy, batch: int, context: int, steps: int = 16,
     return jax.jit(run)
 
   out = {}
-  kernel = decoder.cache_kernel_enabled()
+  kernel = attention.kernel_enabled(cfg.attention)
   runs = [("step", decoder.CACHE_BLOCK, context, None),
           ("step_dense", cap, context, "xla"),
           ("step_without_cache_attention", decoder.CACHE_BLOCK, 0, None)]
   if kernel:                             # XLA's blocks beside the kernel (else "step" is them)
     runs.insert(1, ("step_xla_blocks", decoder.CACHE_BLOCK, context, "xla"))
   for name, block, filled, mode in runs:
-    with attention_path(mode) if mode else contextlib.nullcontext():
-      f = stepper(block)
-      length = jnp.full((batch,), filled, jnp.int32)
-      secs, _ = _timed(lambda: jax.block_until_ready(f(params, cache, length)), repeats)
+    f = stepper(block, with_attention(policy, mode).config)
+    length = jnp.full((batch,), filled, jnp.int32)
+    secs, _ = _timed(lambda: jax.block_until_ready(f(params, cache, length)), repeats)
     out[name + "_ms"] = 1e3 * secs / steps
   out["step_path"] = "kernel" if kernel else "xla blocks"
   logits = jax.random.normal(key, (batch, cfg.vocab_size))
@@ -726,11 +718,10 @@ def main(argv):
                      "backend": jax.default_backend(), "jax": jax.__version__}}
   rollouts = {}
   runs = [("jax", env, None), ("host", host, None)]
-  if decoder.cache_kernel_enabled():      # the jitted rollout with XLA's cache attention beside it
+  if attention.kernel_enabled(policy.config.attention):   # XLA's attention beside the kernel
     runs.insert(1, ("jax_xla_attention", env, "xla"))
   for name, e, mode in runs:
-    with attention_path(mode) if mode else contextlib.nullcontext():
-      secs, traj = _timed(_rollout_fn(policy, e, tasks, g, turns), reps)
+    secs, traj = _timed(_rollout_fn(with_attention(policy, mode), e, tasks, g, turns), reps)
     rollouts[name] = _rollout_row(secs, traj, n * g)
     if name == "jax":
       jax_traj = traj

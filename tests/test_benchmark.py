@@ -133,8 +133,8 @@ def test_rollout_pieces_cover_the_transcript(micro_rollout, monkeypatch):
   assert prof["kv_bytes"] == 2 * cfg.num_layers * 4 * cfg.num_kv_heads * 100 * cfg.head_dim * 4
   assert min(prof[k] for k in prof if k.endswith("_ms") and k != "cache_attention_ms") > 0
   assert prof["step_path"] == "xla blocks" and "step_xla_blocks_ms" not in prof   # 8 devices
-  monkeypatch.setenv("JAXAGENT_CACHE_ATTENTION", "kernel")     # the kernel, and XLA beside it
-  prof = benchmark.decode_step_profile(policy, 4, 100, steps=2, repeats=1)
+  prof = benchmark.decode_step_profile(benchmark.with_attention(policy, "kernel"), 4, 100,
+                                      steps=2, repeats=1)      # the kernel, and XLA beside it
   assert prof["step_path"] == "kernel" and prof["step_xla_blocks_ms"] > 0
 
 

@@ -3,21 +3,24 @@
 `cache_attention_partials` is the attention of decode steps and prefill chunks over a KV cache.
 XLA:CPU runs it as a loop of cache blocks, each a dynamic-slice copy and two tiny batched
 products, at ~1/4 of the memory bandwidth; the kernel streams each row's keys and values once, in
-place, in register-tiled products, over XLA's intra-op threads (on the 2-core benchmark machine
-3.6x XLA's blocks for one-query steps, 2.8x for 32-query chunks; `python -m launch.benchmark`
-compares the paths side by side).
+place, in register-tiled products, over XLA's intra-op threads (on the 2-core AVX-512 benchmark
+machine 3.6x XLA's blocks for one-query steps, 2.8x for 32-query chunks; `python -m
+launch.benchmark` compares the paths side by side).
 
 The library is built with the system's C++ compiler (`CXX`, default g++) against jaxlib's FFI
 headers into JAXAGENT_KERNEL_DIR (default ~/.cache/jaxagent/kernels), named by a hash of the
-source, the jaxlib version, the flags and the CPU, so an upgrade or another machine rebuilds it.
-Without a compiler, `available()` is False and the decoder keeps XLA's path (one log line says
-why); JAXAGENT_CACHE_ATTENTION=xla turns the kernel off, =kernel makes its absence an error.
+source, the jaxlib version, the flags and the CPU, so an upgrade or another machine rebuilds it;
+a checksum written beside it at build time is checked before every load, and a damaged library
+is rebuilt. Without a compiler, `available()` is False and the decoder keeps XLA's path (one log
+line says why). Which models use the kernel is `ModelConfig.attention`
+(`jaxagent.models.attention`).
 """
 
 from __future__ import annotations
 
 import ctypes
 import hashlib
+import json
 import logging
 import os
 import pathlib
@@ -53,15 +56,26 @@ class KernelUnavailable(RuntimeError):
   pass
 
 
-def _cpu_id() -> str:
+def _cpu_name() -> str:
+  return _cpu_fields().get("model name", "") or platform.processor() or platform.machine()
+
+
+def _cpu_fields() -> dict:
   try:
     text = pathlib.Path("/proc/cpuinfo").read_text()
   except OSError:
-    return platform.processor() or platform.machine()
-  fields = {}
+    return {}
+  fields: dict = {}
   for line in text.splitlines():
     key, _, value = line.partition(":")
     fields.setdefault(key.strip(), value.strip())
+  return fields
+
+
+def _cpu_id() -> str:
+  fields = _cpu_fields()
+  if not fields:
+    return platform.processor() or platform.machine()
   return fields.get("model name", "") + fields.get("flags", "")
 
 
@@ -90,18 +104,74 @@ def _build(out: pathlib.Path) -> None:
                          capture_output=True, text=True)
     if res.returncode != 0:
       raise KernelUnavailable(f"{cxx} failed to build {_SOURCE.name}:\n{res.stderr[-2000:]}")
+    # The checksum first, then the library: a library is never in place without its checksum.
+    tmp_sum = _checksum_path(out).with_suffix(".tmp")
+    tmp_sum.write_text(_digest(pathlib.Path(tmp)))
+    os.replace(tmp_sum, _checksum_path(out))
     os.replace(tmp, out)
   finally:
     if os.path.exists(tmp):
       os.unlink(tmp)
 
 
+def _digest(path: pathlib.Path) -> str:
+  return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _checksum_path(path: pathlib.Path) -> pathlib.Path:
+  return path.with_name(path.name + ".sha256")
+
+
+def _intact(path: pathlib.Path) -> bool:
+  """Whether the built library at `path` is whole: its bytes match the checksum written beside
+  it at build time (a library truncated by a full disk or a killed copy does not, and loading
+  one kills the process with a bus error)."""
+  try:
+    return _checksum_path(path).read_text().strip() == _digest(path)
+  except OSError:
+    return False
+
+
 def ensure_built() -> pathlib.Path:
-  """The library's path, building it first if this source/jaxlib/CPU has none yet."""
+  """The library's path, building it first if this source/jaxlib/CPU has none yet, or if the
+  cached one is damaged or has no checksum (it is rebuilt, with a warning naming the file)."""
   path = library_path()
-  if not path.exists():
+  if path.exists() and not _intact(path):
+    logging.warning("jaxagent: the cached CPU kernel library %s does not match its checksum "
+                    "(damaged, e.g. by a full disk, or built before checksums); rebuilding it",
+                    path)
+  if not path.exists() or not _intact(path):
     _build(path)
   return path
+
+
+def verdict_path() -> pathlib.Path:
+  """Where `attention`'s "auto" verdict (kernel or XLA, measured once) is cached: beside the
+  library, so a new source, jaxlib, flag set or CPU measures again."""
+  path = library_path()
+  return path.with_name(path.stem + ".auto.json")
+
+
+def read_verdict() -> dict | None:
+  """The cached verdict {"kernel": bool, "kernel_ms": float, "xla_ms": float}, or None if none
+  was measured here yet (or the file is unreadable)."""
+  try:
+    verdict = json.loads(verdict_path().read_text())
+  except (OSError, ValueError):
+    return None
+  ok = isinstance(verdict, dict) and isinstance(verdict.get("kernel"), bool) and all(
+      isinstance(verdict.get(k), (int, float)) for k in ("kernel_ms", "xla_ms"))
+  return verdict if ok else None
+
+
+def write_verdict(verdict: dict) -> None:
+  """Caches `verdict` atomically (a temporary file renamed into place)."""
+  path = verdict_path()
+  path.parent.mkdir(parents=True, exist_ok=True)
+  fd, tmp = tempfile.mkstemp(suffix=".json", dir=path.parent)
+  with os.fdopen(fd, "w") as f:
+    json.dump({**verdict, "cpu": _cpu_name()}, f)
+  os.replace(tmp, path)
 
 
 def load() -> None:

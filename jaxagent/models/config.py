@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from typing import Any
 
 import jax.numpy as jnp
@@ -21,6 +22,25 @@ SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
 
 class CheckpointError(ValueError):
   """A checkpoint directory that cannot be loaded; the message names the file and the fix."""
+
+
+# How attention reads keys and values (`jaxagent.models.attention`): "xla" (XLA's own ops on
+# every backend), "kernel" (the CPU kernel wherever it applies: float32 on CPU; an error if it
+# cannot be built) or "auto" (the kernel only on one CPU device and only where it measured
+# faster than XLA on this machine: `attention.kernel_enabled`).
+ATTENTIONS = ("auto", "xla", "kernel")
+# Sets the default of `ModelConfig.attention` for configs made while it is set; the field, not
+# the variable, is what every compiled program is keyed by.
+ATTENTION_ENV = "JAXAGENT_CACHE_ATTENTION"
+
+
+def default_attention() -> str:
+  """ATTENTION_ENV's value (default "auto"); a value outside ATTENTIONS raises naming the fix."""
+  value = os.environ.get(ATTENTION_ENV, "auto").strip().lower() or "auto"
+  if value not in ATTENTIONS:
+    raise ValueError(f"{ATTENTION_ENV}={value!r} is not an attention path; set it to one of "
+                     f"{ATTENTIONS} or unset it")
+  return value
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,6 +68,13 @@ class ModelConfig:
   pad_token_id: int | None = None
   bos_token_id: int | None = None
   init_seed: int | None = None   # built-in models: weights are initialised from this seed
+  # The attention path (ATTENTIONS). Static like every field, so programs traced for one path
+  # are never reused for another; `dataclasses.replace(cfg, attention="xla")` switches it.
+  attention: str = dataclasses.field(default_factory=default_attention)
+
+  def __post_init__(self):
+    if self.attention not in ATTENTIONS:
+      raise ValueError(f"ModelConfig.attention={self.attention!r}: use one of {ATTENTIONS}")
 
   @property
   def jnp_param_dtype(self):

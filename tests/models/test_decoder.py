@@ -4,6 +4,7 @@ not change a row's result, and the parameter tree is consistent with its metadat
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import jax
@@ -11,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxagent.models import decoder
+from jaxagent.models import attention, decoder
 from jaxagent.models.config import ModelConfig
 
 # Every feature at once: qkv bias, q/k norm, GQA, llama3 rope scaling, untied head.
@@ -211,8 +212,8 @@ def test_every_cache_attention_path_equals_masked_softmax(chunk, block):
   vc = rng.normal(size=(layers, b, kh, s, hd)).astype(np.float32)
   v = rng.normal(size=(b, kh, chunk, hd)).astype(np.float32)
   scores = rng.normal(size=(b, kh, g, chunk, chunk)).astype(np.float32) * 2
-  scores = np.where(np.tril(np.ones((chunk, chunk), bool)), scores, decoder._NEG)
-  fn = jax.jit(decoder._cache_attention, static_argnums=7)
+  scores = np.where(np.tril(np.ones((chunk, chunk), bool)), scores, attention._NEG)
+  fn = jax.jit(functools.partial(attention.cache_attention, "xla"), static_argnums=7)
   for layer in range(layers):
     got = fn(jnp.asarray(q), jnp.asarray(kc.swapaxes(3, 4)), jnp.asarray(vc), layer,
              jnp.asarray(length), jnp.asarray(scores), jnp.asarray(v), block)
@@ -246,7 +247,7 @@ def test_causal_attention_in_query_blocks_equals_one_masked_softmax(block):
   sees = mask.any(-1)                                                    # [B, L]
   cot = rng.normal(size=q.shape).astype(np.float32) * sees[:, None, None, :, None]
 
-  out = np.asarray(jax.jit(decoder.causal_attention, static_argnums=4)(q, k, v, mask, block))
+  out = np.asarray(jax.jit(attention.causal_attention, static_argnums=4)(q, k, v, mask, block))
   assert np.isfinite(out).all()
   want = _numpy_causal_attention(q.astype(np.float64), k.astype(np.float64),
                                  v.astype(np.float64), mask)
@@ -254,7 +255,7 @@ def test_causal_attention_in_query_blocks_equals_one_masked_softmax(block):
                              want.transpose(0, 3, 1, 2, 4)[sees], rtol=0, atol=2e-6)
 
   def loss(blk):
-    return lambda q, k, v: jnp.sum(decoder.causal_attention(q, k, v, mask, blk) * cot)
+    return lambda q, k, v: jnp.sum(attention.causal_attention(q, k, v, mask, blk) * cot)
 
   got = jax.jit(jax.grad(loss(block), argnums=(0, 1, 2)))(q, k, v)
   ref = jax.jit(jax.grad(loss(0), argnums=(0, 1, 2)))(q, k, v)
