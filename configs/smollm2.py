@@ -41,10 +41,11 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.rl.learner.warmup_steps = 1
   if variant == "cpu":
     # Sizes for <= 2 hours on this project's 2-core CPU (float32). Measured on a fresh-clone run
-    # (2026-12-06, README): 114 min in all: SFT 30 steps of 4 in 12.8 min (~21 s a step), RL
-    # 4 steps of 4 tasks x 4 episodes per run in 6-10 min a run (six runs ~47 min), evaluation
-    # of 24 test tasks x 4 samples ~3.2 min a policy, the comparison (small caps) 28 min. Peak
-    # memory 22.4 GB (the RL update): alone on a 24 GB machine, or rl.learner.minibatches=4.
+    # (2026-12-06, docs/results/smollm2.md): 114 min in all: SFT 30 steps of 4 in 12.8 min
+    # (~21 s a step), RL 4 steps of 4 tasks x 4 episodes per run in 6-10 min a run (six runs ~47
+    # min), evaluation of 24 test tasks x 4 samples ~3.2 min a policy, the comparison (small caps)
+    # 28 min. Peak memory 22.4 GB (the RL update): alone on a 24 GB machine, or
+    # rl.learner.minibatches=4.
     c.data.num_train, c.data.num_validation, c.data.num_test = 64, 8, 24
     c.data.demo_episodes_per_task = 2
     c.sft.steps, c.sft.batch_size = 30, 4
