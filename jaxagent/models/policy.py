@@ -61,6 +61,11 @@ class Policy:
   tokenizer: Any            # a transformers tokenizer
   mesh: Mesh | None = None
   path: str | None = None   # where it was loaded from
+  # Compiled programs kept with this policy, released with it: the owners that
+  # `jaxagent.rollout.rollout(policy, env, ...)` reuses, by (environment, model config). Not an
+  # init field: `dataclasses.replace(policy, ...)` starts with none.
+  programs: dict = dataclasses.field(default_factory=dict, init=False, repr=False,
+                                     compare=False)
 
   def param_shardings(self, mesh: Mesh | None = None):
     return param_shardings(self.config, mesh or self.mesh)

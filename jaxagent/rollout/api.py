@@ -4,7 +4,8 @@ rollout programs, and `rollout(...)`, a one-off call.
     rollouts = Rollouts(policy.config, env)           # build once; reuse for every batch
     traj = rollouts(params, key, tasks, group_size, budgets, max_turns=8, mesh=policy.mesh)
     rollouts.compiles, rollouts.traces                 # programs built / traced (no recompiles)
-    traj = rollout(policy, env, key, tasks, group_size, budgets, max_turns=8)   # one-off
+    traj = rollout(policy, env, key, tasks, group_size, budgets, max_turns=8)   # the same,
+                                    # with the owner kept on the policy (compiled once per shape)
 """
 
 from __future__ import annotations
@@ -166,10 +167,22 @@ class Rollouts:
       return fn(*args)
 
 
+def rollouts_for(policy, env) -> Rollouts:
+  """The `Rollouts` of (policy.config, env), kept on the policy (`Policy.programs`) and released
+  with it: every call for the same model config and environment gets the same owner, so its
+  programs compile once per static rollout config (shapes, T_max)."""
+  key = ("rollouts", id(env), policy.config)
+  owner = policy.programs.get(key)
+  if owner is None or owner.env is not env:       # the owner holds env: its id is not reused
+    owner = policy.programs[key] = Rollouts(policy.config, env)
+  return owner
+
+
 def rollout(policy, env, key, tasks_or_num, group_size: int = 1, budgets=None, *,
             params=None, **kwargs) -> Trajectory:
-  """One-off: `Rollouts(policy.config, env)(params or policy.params, ..., mesh=policy.mesh)`.
-  It builds (and compiles) a new program on every call; hold a `Rollouts` to reuse one."""
-  return Rollouts(policy.config, env)(policy.params if params is None else params, key,
-                                      tasks_or_num, group_size, budgets, mesh=policy.mesh,
-                                      **kwargs)
+  """`Rollouts(policy.config, env)(params or policy.params, ..., mesh=policy.mesh)`, with the
+  owner kept on the policy (`rollouts_for`): calls in a loop compile once for the same model
+  config, environment and shapes, and a new `policy.config` (e.g. another attention path) gets
+  its own programs."""
+  return rollouts_for(policy, env)(policy.params if params is None else params, key,
+                                   tasks_or_num, group_size, budgets, mesh=policy.mesh, **kwargs)

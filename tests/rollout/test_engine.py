@@ -1,5 +1,7 @@
 """The multi-turn rollout engine: transcript layout, masks, log-probs, budgets, no recompiles."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -144,6 +146,30 @@ def test_budgets_per_row_and_no_recompilation(policy, env):
   # Another T_max is another program.
   rollouts(policy.params, jax.random.key(6), tasks, GROUP, budgets=2, max_turns=2)
   assert (rollouts.compiles, rollouts.traces) == (2, 2)
+
+
+def test_the_one_off_rollout_compiles_once_in_a_loop(policy, env):
+  """`rollout(...)` keeps its owner on the policy: a loop over it with new keys, tasks and
+  budgets traces one program; another environment or model config gets its own owner."""
+  user = dataclasses.replace(policy)                 # a fresh policy: no owners yet
+  for i in range(3):
+    traj = rollout(user, env, jax.random.key(i), NUM_TASKS, GROUP, budgets=[1, 2, 3, 2],
+                   max_turns=3)
+    assert np.asarray(traj.num_turns).max() <= 3
+  (owner,) = user.programs.values()
+  assert (owner.compiles, owner.traces) == (1, 1)
+  other_env = envs.make("lookup", policy.tokenizer, hops=2)
+  rollout(user, other_env, jax.random.key(0), NUM_TASKS, GROUP, budgets=2, max_turns=3)
+  assert len(user.programs) == 2 and (owner.compiles, owner.traces) == (1, 1)
+  assert dataclasses.replace(user).programs == {}    # a copy starts with none
+  # Flipping the attention switch: a second program, the same tokens.
+  paths = {}
+  for mode in ("xla", "kernel"):
+    user.config = dataclasses.replace(user.config, attention=mode)
+    paths[mode] = rollout(user, env, jax.random.key(7), NUM_TASKS, GROUP, budgets=3, max_turns=3)
+  assert len(user.programs) == 4 and all(o.compiles == 1 for o in user.programs.values())
+  np.testing.assert_array_equal(np.asarray(paths["xla"].tokens),
+                                np.asarray(paths["kernel"].tokens))
 
 
 @pytest.mark.parametrize("visible", [False, True])
