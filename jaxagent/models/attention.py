@@ -41,13 +41,13 @@ _AUTO: dict = {}   # the process's "auto" verdict once known: {"kernel": bool}
 def kernel_enabled(impl: str) -> bool:
   """Whether float32 attention of a model whose `ModelConfig.attention` is `impl` takes the CPU
   kernel (`use_kernel` adds the shapes it applies to)."""
-  if impl == "xla" or jax.default_backend() != "cpu":
+  if impl in ("xla", "dot_product") or jax.default_backend() != "cpu":
     return False
   if impl == "kernel":
     cpu.load()                        # raises KernelUnavailable, saying why
     return True
   if impl != "auto":
-    raise ValueError(f"attention {impl!r}: use auto, xla or kernel")
+    raise ValueError(f"attention {impl!r}: use auto, xla, kernel or dot_product")
   return jax.device_count() == 1 and cpu.available() and _auto_takes_kernel()
 
 
@@ -260,12 +260,29 @@ def causal_attention(q, k, v, mask_bls, block: int, key_lengths=None, impl: str 
   depends on the path (the mean of the keys its block reads); the model never reads it.
   """
   l = q.shape[3]
+  if impl == "dot_product":
+    return _dot_product_attention(q, k, v, mask_bls, key_lengths)
   if block <= 0 or block >= l:
     probs = jax.nn.softmax(block_scores(q, k, mask_bls, 0, l), axis=-1).astype(q.dtype)
     return jnp.einsum("bkgls,bksd->bkgld", probs, v)
   if key_lengths is None or not use_kernel(impl, q, k, v, chunk=True):
     key_lengths = None
   return _blocked_attention(q, k, v, mask_bls, key_lengths, block)
+
+
+def _dot_product_attention(q, k, v, mask_bls, key_lengths):
+  """`causal_attention` through `jax.nn.dot_product_attention` (autodiff gradient): right-padded
+  rows (`key_lengths`) as `is_causal` with key lengths, which cuDNN's fused attention takes;
+  any other mask as a mask (XLA's path)."""
+  b, kh, g, l, hd = q.shape
+  qt = q.transpose(0, 3, 1, 2, 4).reshape(b, l, kh * g, hd)     # query head n = kv head n // G
+  kt, vt = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)      # [B, L, K, hd]
+  if key_lengths is not None:
+    out = jax.nn.dot_product_attention(qt, kt, vt, is_causal=True,
+                                       key_value_seq_lengths=key_lengths.astype(jnp.int32))
+  else:
+    out = jax.nn.dot_product_attention(qt, kt, vt, mask=mask_bls[:, None])
+  return out.reshape(b, l, kh, g, hd).transpose(0, 2, 3, 1, 4)
 
 
 def _query_blocks(l: int, block: int):

@@ -26,9 +26,12 @@ class CheckpointError(ValueError):
 
 # How attention reads keys and values (`jaxagent.models.attention`): "xla" (XLA's own ops on
 # every backend), "kernel" (the CPU kernel wherever it applies: float32 on CPU; an error if it
-# cannot be built) or "auto" (the kernel only on one CPU device and only where it measured
-# faster than XLA on this machine: `attention.kernel_enabled`).
-ATTENTIONS = ("auto", "xla", "kernel")
+# cannot be built), "auto" (the kernel only on one CPU device and only where it measured
+# faster than XLA on this machine: `attention.kernel_enabled`) or "dot_product" (XLA's paths,
+# but the causal attention without a cache, the update's, through
+# `jax.nn.dot_product_attention`: cuDNN's fused attention on NVIDIA GPUs where its dtypes and
+# shapes allow, XLA's one masked product elsewhere).
+ATTENTIONS = ("auto", "xla", "kernel", "dot_product")
 # Sets the default of `ModelConfig.attention` for configs made while it is set; the field, not
 # the variable, is what every compiled program is keyed by.
 ATTENTION_ENV = "JAXAGENT_CACHE_ATTENTION"

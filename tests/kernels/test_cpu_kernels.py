@@ -263,7 +263,7 @@ def test_path_choice(monkeypatch):
                                   v.astype(jnp.bfloat16))
   assert not attention.use_kernel("auto", q, k, v)      # this test process has 8 devices
   assert not attention.use_kernel("xla", q, k, v)
-  with pytest.raises(ValueError, match="use auto, xla or kernel"):
+  with pytest.raises(ValueError, match="use auto, xla, kernel or dot_product"):
     attention.use_kernel("fast", q, k, v)
 
 

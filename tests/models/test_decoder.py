@@ -264,6 +264,49 @@ def test_causal_attention_in_query_blocks_equals_one_masked_softmax(block):
     np.testing.assert_allclose(np.asarray(a), np.asarray(r), rtol=0, atol=2e-5, err_msg=name)
 
 
+@pytest.mark.parametrize("right_padded", [True, False])
+def test_dot_product_attention_equals_the_blocked_path(right_padded):
+  """The "dot_product" switch (jax.nn.dot_product_attention, for accelerators) against XLA's
+  query blocks: values and gradients on every query that sees a key, with right padding (key
+  lengths, the form cuDNN takes) and with left padding (a mask)."""
+  rng = np.random.RandomState(4)
+  b, kh, g, l, hd = 3, 2, 2, 11, 8
+  lengths = np.array([11, 6, 1], np.int32)
+  valid = np.arange(l)[None, :] < lengths[:, None]
+  if not right_padded:
+    valid = valid[:, ::-1]
+  mask = np.tril(np.ones((l, l), bool))[None] & valid[:, None, :]
+  q, k, v = (rng.normal(size=s).astype(np.float32) for s in
+             [(b, kh, g, l, hd), (b, kh, l, hd), (b, kh, l, hd)])
+  sees = mask.any(-1)
+  cot = rng.normal(size=q.shape).astype(np.float32) * sees[:, None, None, :, None]
+  key_lengths = jnp.asarray(lengths) if right_padded else None
+
+  def loss(impl):
+    return lambda q, k, v: jnp.sum(
+        attention.causal_attention(q, k, v, mask, 4, key_lengths, impl) * cot)
+
+  outs = [np.asarray(attention.causal_attention(q, k, v, mask, 4, key_lengths, impl))
+          for impl in ("dot_product", "xla")]
+  np.testing.assert_allclose(outs[0].transpose(0, 3, 1, 2, 4)[sees],
+                             outs[1].transpose(0, 3, 1, 2, 4)[sees], rtol=0, atol=2e-6)
+  got, ref = (jax.jit(jax.grad(loss(impl), argnums=(0, 1, 2)))(q, k, v)
+              for impl in ("dot_product", "xla"))
+  for name, a, r in zip("qkv", got, ref):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(r), rtol=0, atol=2e-5, err_msg=name)
+
+
+def test_the_dot_product_switch_keeps_the_models_logits(params):
+  rng = np.random.RandomState(5)
+  tokens = jnp.asarray(rng.randint(0, CFG.vocab_size, size=(3, 11)), jnp.int32)
+  lengths = jnp.array([11, 6, 1], jnp.int32)
+  out = {impl: np.asarray(decoder.apply(dataclasses.replace(CFG, attention=impl), params, tokens,
+                                        lengths=lengths, query_block=4)[0])
+         for impl in ("dot_product", "xla")}
+  real = np.arange(11)[None, :] < np.asarray(lengths)[:, None]
+  np.testing.assert_allclose(out["dot_product"][real], out["xla"][real], rtol=1e-5, atol=1e-5)
+
+
 def test_swiglu_gradient_equals_autodiff():
   rng = np.random.RandomState(3)
   h, wg, wu, wd, cot = (jnp.asarray(rng.normal(size=s).astype(np.float32)) for s in
