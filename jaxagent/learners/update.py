@@ -60,6 +60,9 @@ def init_train_state(params, optimizer: optax.GradientTransformation, key: jax.A
   return jax.tree.map(lambda x: x if on_mesh(x) else jax.device_put(x, rep), state)
 
 
+BEHAVIOUR_LOGPROBS = ("auto", "rollout", "recompute")
+
+
 @dataclasses.dataclass(frozen=True)
 class LearnerConfig:
   """Every knob of the RL update (hashable: a static argument of the jitted update)."""
@@ -97,6 +100,12 @@ class LearnerConfig:
   # sequence chunk of the log-softmax (memory: B x chunk x V logits at a time).
   temperature: float = 1.0
   logprob_chunk: int = 128
+  # The old log-probs of the PPO ratio: "rollout" (the rollout's behaviour log-probs), "recompute"
+  # (the update's own forward with the parameters the batch was sampled with, so the ratio starts
+  # at exactly 1) or "auto" (recompute where the compute dtype is not float32: in bfloat16 the
+  # rollout's cached decode and the update's full forward round differently, e.g. up to 5e-3
+  # nats per token on builtin:micro, and the ratio would start off 1 by that much).
+  behaviour_logprobs: str = "auto"
   # Optimizer (make_optimizer): AdamW, linear warmup then constant or cosine, global-norm clip.
   # The run's total optimizer steps (for the cosine decay) is the loop's to give:
   # `make_optimizer(total_steps=rl_steps * optimizer_steps_per_update)`.
@@ -119,6 +128,9 @@ class LearnerConfig:
       if value not in table:
         raise ValueError(f"learner config: unknown {field} {value!r}; valid: "
                          f"{', '.join(sorted(table))}")
+    if self.behaviour_logprobs not in BEHAVIOUR_LOGPROBS:
+      raise ValueError(f"learner config: unknown behaviour_logprobs {self.behaviour_logprobs!r}; "
+                       f"valid: {', '.join(BEHAVIOUR_LOGPROBS)}")
     for field in ("epochs", "minibatches", "logprob_chunk"):
       if getattr(self, field) < 1:
         raise ValueError(f"learner config: {field} must be >= 1, got {getattr(self, field)}")
@@ -262,13 +274,18 @@ def make_update_fn(cfg: LearnerConfig, model_cfg: ModelConfig, optimizer: optax.
   term (kl_coef) enters the loss; without, kl_coef must be 0.
   Metrics [] float32: the loss metrics (`losses.policy_loss`) and loss, grad_norm (before
   clipping), averaged over the steps; learning_rate of the last step; reward_mean, reward_std,
-  advantage_mean, advantage_abs_mean and kept_fraction (episode weight mean) of the batch.
-  Deterministic given the state's key.
+  advantage_mean, advantage_abs_mean and kept_fraction (episode weight mean) of the batch;
+  behaviour_logprob_gap (mean |rollout - recomputed| old log-prob per agent token) where the old
+  log-probs are recomputed (`LearnerConfig.behaviour_logprobs`). Deterministic given the state's
+  key.
 
   On a mesh (the trajectory's or else the parameters' NamedSharding), every minibatch is split
   over (data, fsdp) by the `batch` rule: the random-permutation gather that forms it would
   otherwise leave it replicated, and every device would run the whole minibatch.
   """
+
+  recompute_behaviour = cfg.behaviour_logprobs == "recompute" or (
+      cfg.behaviour_logprobs == "auto" and model_cfg.jnp_dtype != jnp.float32)
 
   def loss_fn(params, mb: _Batch):
     logp, entropy = token_logprobs_and_entropy(model_cfg, params, mb.tokens, mb.length,
@@ -320,9 +337,16 @@ def make_update_fn(cfg: LearnerConfig, model_cfg: ModelConfig, optimizer: optax.
         ref_params = jax.tree.map(lambda x: jax.device_put(x, jax.memory.Space.Device), ref_params)
       ref_logp = jax.lax.stop_gradient(token_logprobs(
           model_cfg, ref_params, traj.tokens, traj.length, cfg.temperature, cfg.logprob_chunk))
+    behaviour = traj.behaviour_logprobs
+    if recompute_behaviour:        # the same forward as the loss's, before any step
+      behaviour = jax.lax.stop_gradient(token_logprobs(
+          model_cfg, state.params, traj.tokens, traj.length, cfg.temperature, cfg.logprob_chunk))
+      mask = traj.loss_mask.astype(jnp.float32)
+      extra_metrics["behaviour_logprob_gap"] = jnp.sum(
+          jnp.abs(behaviour - traj.behaviour_logprobs) * mask) / jnp.maximum(jnp.sum(mask), 1)
     batch = _Batch(tokens=traj.tokens, length=traj.length,
                    loss_mask=traj.loss_mask.astype(jnp.float32),
-                   behaviour_logprobs=traj.behaviour_logprobs, advantages=adv, weight=weight,
+                   behaviour_logprobs=behaviour, advantages=adv, weight=weight,
                    ref_logprobs=ref_logp)
     key, perm_key = jax.random.split(state.key)
     mb_size = b // cfg.minibatches

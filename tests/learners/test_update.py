@@ -257,3 +257,34 @@ def test_optimizer_weight_decay_mask_and_clipping():
   _, state = opt.update(g, opt.init(params), params)
   mu = optax.tree_utils.tree_get(state, "mu")
   np.testing.assert_allclose(optax.tree.norm(mu), 0.1 * 1.0, rtol=1e-5)      # (1 - b1) * 1
+
+
+def test_bfloat16_ratio_starts_at_one_with_recomputed_old_logprobs(make_trajectory, small_model):
+  """In bfloat16 the rollout's log-probs (here: float32 ones, rounded otherwise) differ from the
+  update's own forward; "auto" recomputes the old log-probs there, so the first step's ratio is
+  exactly 1 and the gap is reported; "rollout" keeps the rollout's, and its ratio is off 1."""
+  bf16 = dataclasses.replace(small_model, dtype="bfloat16")         # float32 master weights
+  params = _params(bf16)
+  batch = _batch(make_trajectory, small_model, params, 1, solved_rows=(0, 3, 5))
+  mask = np.asarray(batch.loss_mask)
+  own = np.asarray(token_logprobs(bf16, params, batch.tokens, batch.length))
+  want_gap = np.sum(np.abs(own - np.asarray(batch.behaviour_logprobs)) * mask) / mask.sum()
+  assert want_gap > 1e-4                                  # the rounding this test is about
+  out = {}
+  for mode in ("auto", "rollout"):
+    cfg = LearnerConfig(learning_rate=1e-3, behaviour_logprobs=mode)
+    opt = cfg.make_optimizer(total_steps=1)
+    state = init_train_state(_params(bf16), opt, jax.random.key(0))
+    _, out[mode] = make_update_fn(cfg, bf16, opt)(state, batch)
+  np.testing.assert_allclose(out["auto"]["ratio_mean"], 1.0, atol=1e-6)
+  np.testing.assert_allclose(out["auto"]["behaviour_logprob_gap"], want_gap, rtol=1e-4)
+  assert abs(float(out["rollout"]["ratio_mean"]) - 1.0) > 1e-5
+  assert "behaviour_logprob_gap" not in out["rollout"]
+  # float32: "auto" keeps the rollout's log-probs (they agree to ~1e-6).
+  cfg = LearnerConfig(learning_rate=1e-3)
+  opt = cfg.make_optimizer(total_steps=1)
+  _, m = make_update_fn(cfg, small_model, opt)(
+      init_train_state(_params(small_model), opt, jax.random.key(0)), batch)
+  assert "behaviour_logprob_gap" not in m
+  with pytest.raises(ValueError, match="behaviour_logprobs 'sometimes'"):
+    LearnerConfig(behaviour_logprobs="sometimes")
