@@ -3,7 +3,8 @@
     sft = sft_config(config)      # SFTConfig: the supervised phase
     rl = rl_config(config)        # RLConfig: the RL phase (budget parsed, LearnerConfig built)
     ev = eval_config(config)      # EvalConfig: evaluation (string specs parsed into tuples)
-    validate(config)              # all three; raises the first ConfigError
+    validate(config)              # every section; raises the first ConfigError
+    run = run_config(config)      # RunConfig: every section typed (run, model, env, data, ...)
 
 configs/default.py is the one set of defaults: these dataclasses have none, so every key of a
 section must be in the config. Reading a section rejects unknown keys, missing keys and wrongly
