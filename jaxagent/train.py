@@ -7,6 +7,10 @@ tasks, budgets and keys (folded from the seed and s). A finished phase is not re
 saves a checkpoint and exits cleanly. Per step: one line in `<workdir>/metrics.jsonl`, TensorBoard
 scalars, and a progress bar. The workdir layout is `jaxagent.runs.layout`'s.
 
+The config is read once, into its typed sections (`jaxagent.runs.config.RunConfig`), and those
+are what the phases get; the raw config is only pinned to the workdir and handed to the set-up of
+the policy and its compiled programs (`jaxagent.runs.setup`, shared with evaluation).
+
 Guards: the whole config is validated before any compute (`jaxagent.runs.config`); one trainer
 at a time holds the workdir (`jaxagent.runs.lock`); a rerun with a config that differs in a key
 that matters refuses unless allowed, and every change is recorded (`jaxagent.runs.pinning`); a
@@ -59,10 +63,10 @@ def _state_dict(state: TrainState) -> dict:
 class _Phase:
   """Checkpointing, metrics, progress and preemption for one phase."""
 
-  def __init__(self, name, config, workdir, fingerprint, total_steps):
+  def __init__(self, name: str, run: sections.RunSection, workdir, fingerprint, total_steps: int):
     self.name, self.total = name, total_steps
-    self.ckpt = Checkpointer(layout.checkpoint_dir(workdir, name), max_to_keep=config.max_to_keep,
-                             save_interval_steps=config.checkpoint_every)
+    self.ckpt = Checkpointer(layout.checkpoint_dir(workdir, name), max_to_keep=run.max_to_keep,
+                             save_interval_steps=run.checkpoint_every)
     self.ckpt.check_compatible(fingerprint)
     self.fingerprint = fingerprint
 
@@ -113,13 +117,12 @@ class DivergenceError(RuntimeError):
 
 class StallGuard:
   """Counts consecutive steps in which the run cannot be learning and raises DivergenceError at
-  config.guard.stall_steps of them: the gradient norm exactly 0 where it should not be (SFT;
-  RL steps whose advantages are not all zero), or (SFT) the loss above loss_explode_factor x
-  the first step's loss."""
+  guard.stall_steps of them (config.guard): the gradient norm exactly 0 where it should not be
+  (SFT; RL steps whose advantages are not all zero), or (SFT) the loss above
+  guard.loss_explode_factor x the first step's loss."""
 
-  def __init__(self, config, phase: str):
-    g = sections.guard_config(config)
-    self.limit, self.factor, self.phase = g.stall_steps, g.loss_explode_factor, phase
+  def __init__(self, guard: sections.GuardConfig, phase: str):
+    self.limit, self.factor, self.phase = guard.stall_steps, guard.loss_explode_factor, phase
     self.zero = self.explode = 0
     self.first_loss: float | None = None
 
@@ -147,26 +150,28 @@ class StallGuard:
           "workdir")
 
 
-def _show_progress(config) -> bool:
+def _show_progress(run: sections.RunSection) -> bool:
   """Progress bars on the primary process only (one bar per job, not one per host)."""
-  return bool(config.progress_bar) and distributed.is_primary()
+  return run.progress_bar and distributed.is_primary()
 
 
-def run_sft(config, workdir, policy: Policy, programs: Programs, params, fingerprint) -> Any:
-  c = sections.sft_config(config)
-  phase = _Phase("sft", config, workdir, fingerprint, c.steps)
+def run_sft(cfg: sections.RunConfig, workdir, policy: Policy, programs: Programs, params,
+            fingerprint) -> Any:
+  """The SFT phase (cfg.sft) on the noisy-oracle demonstrations; returns the final params."""
+  c, seed = cfg.sft, cfg.run.seed
+  phase = _Phase("sft", cfg.run, workdir, fingerprint, c.steps)
   done = phase.finished_params(params)
   if done is not None:
     return done
   optimizer, step_fn = programs.sft_step(c)
-  state = init_train_state(params, optimizer, jax.random.key(config.seed), mesh=policy.mesh)
+  state = init_train_state(params, optimizer, jax.random.key(seed), mesh=policy.mesh)
   state, start = phase.restore(state)
-  demos = setup.load_demos(config, workdir, policy.tokenizer, "train")
+  demos = setup.load_demos(cfg.data, cfg.env, workdir, policy.tokenizer, "train", seed=seed)
   n = len(demos["length"])
-  perm_key = jax.random.key(config.seed + 1)
+  perm_key = jax.random.key(seed + 1)
   log = MetricsLog(workdir, "sft", resume_step=start)
-  bar = tqdm(total=c.steps, initial=start, desc="sft", disable=not _show_progress(config))
-  stall = StallGuard(config, "sft")
+  bar = tqdm(total=c.steps, initial=start, desc="sft", disable=not _show_progress(cfg.run))
+  stall = StallGuard(cfg.guard, "sft")
   with PreemptionGuard() as guard:
     for s in range(start, c.steps):
       epoch, pos = divmod(s * c.batch_size, n)
@@ -179,7 +184,7 @@ def run_sft(config, workdir, policy: Policy, programs: Programs, params, fingerp
       check_finite(s + 1, metrics)
       stall.check(s + 1, metrics)
       dt = time.perf_counter() - t0
-      if (s + 1) % config.log_every == 0 or s + 1 == c.steps:
+      if (s + 1) % cfg.run.log_every == 0 or s + 1 == c.steps:
         log.write(s + 1, metrics, {"step_seconds": dt,
                                    "tokens_per_second": float(np.sum(batch["length"])) / dt})
       bar.update(1)
@@ -191,12 +196,14 @@ def run_sft(config, workdir, policy: Policy, programs: Programs, params, fingerp
   return state.params
 
 
-def run_rl(config, workdir, policy: Policy, programs: Programs, params, fingerprint) -> Any:
-  c = sections.rl_config(config)
+def run_rl(cfg: sections.RunConfig, workdir, policy: Policy, programs: Programs, params,
+           fingerprint) -> Any:
+  """The RL phase (cfg.rl) on the train split's tasks; returns the final params."""
+  c, seed = cfg.rl, cfg.run.seed
   lcfg = c.learner
   setup.check_context(policy.config, programs.env, c.budget.max_turns, c.max_action_tokens,
                       "config.rl.budget / config.rl.max_action_tokens")
-  phase = _Phase("rl", config, workdir, fingerprint, c.steps)
+  phase = _Phase("rl", cfg.run, workdir, fingerprint, c.steps)
   done = phase.finished_params(params)
   if done is not None:
     return done
@@ -205,14 +212,14 @@ def run_rl(config, workdir, policy: Policy, programs: Programs, params, fingerpr
   ref_params = jax.tree.map(jnp.copy, params) if lcfg.kl_coef > 0 else None
   if ref_params is not None and c.reference_on_host:
     ref_params = offload_to_host(ref_params)
-  state = init_train_state(params, optimizer, jax.random.key(config.seed + 2), mesh=policy.mesh)
+  state = init_train_state(params, optimizer, jax.random.key(seed + 2), mesh=policy.mesh)
   state, start = phase.restore(state)
-  train = setup.load_tasks(config, workdir, "train")
-  key = jax.random.key(config.seed + 3)
+  train = setup.load_tasks(cfg.data, cfg.env, workdir, "train")
+  key = jax.random.key(seed + 3)
   log = MetricsLog(workdir, "rl", resume_step=start)
   bar = tqdm(total=c.steps, initial=start, desc=f"rl {c.budget.spec}",
-             disable=not _show_progress(config))
-  stall = StallGuard(config, "rl")
+             disable=not _show_progress(cfg.run))
+  stall = StallGuard(cfg.guard, "rl")
   with PreemptionGuard() as guard:
     for s in range(start, c.steps):
       k_budget, k_roll = jax.random.split(jax.random.fold_in(key, s))
@@ -231,7 +238,7 @@ def run_rl(config, workdir, policy: Policy, programs: Programs, params, fingerpr
       check_finite(s + 1, metrics)
       stall.check(s + 1, metrics)
       t2 = time.perf_counter()
-      if (s + 1) % config.log_every == 0 or s + 1 == c.steps:
+      if (s + 1) % cfg.run.log_every == 0 or s + 1 == c.steps:
         log.write(s + 1, metrics, {
             "rollout_seconds": t1 - t0, "update_seconds": t2 - t1,
             "sampled_tokens_per_second": float(stats["sampled_tokens"]) / (t1 - t0)})
@@ -257,30 +264,33 @@ def run(config: ml_collections.ConfigDict, workdir, *, programs: Programs | None
   """
   workdir = pathlib.Path(workdir)
   workdir.mkdir(parents=True, exist_ok=True)
-  sections.validate(config)
+  cfg = sections.run_config(config)          # every section read and checked, before compute
   primary = distributed.is_primary()
   with WorkdirLock(workdir, "train", enabled=primary):
     if primary:
       pin_config(config, workdir, allow_change=allow_config_change)
-    return _run_phases(config, workdir, programs, primary)
+    return _run_phases(config, cfg, workdir, programs, primary)
 
 
-def _run_phases(config, workdir: pathlib.Path, programs: Programs | None, primary: bool) -> dict:
+def _run_phases(config, cfg: sections.RunConfig, workdir: pathlib.Path,
+                programs: Programs | None, primary: bool) -> dict:
+  """The policy (from the raw `config`: `setup.load_policy`, `programs_for`), then the phases of
+  `cfg` (its typed sections) from it or from cfg.model.init_from's newest checkpoint."""
   policy = setup.load_policy(config)
   programs = programs_for(config, policy.config, policy.tokenizer, programs)
   fingerprint = model_fingerprint(policy.config)
   params = policy.params
-  if config.model.init_from:
-    params, phase, step = layout.latest_params(config.model.init_from,
-                                               layout.abstract_params(params))
-    logging.info("initialised from %s (%s step %d)", config.model.init_from, phase, step)
+  init_from = cfg.model.init_from
+  if init_from:
+    params, phase, step = layout.latest_params(init_from, layout.abstract_params(params))
+    logging.info("initialised from %s (%s step %d)", init_from, phase, step)
   summary = {"workdir": str(workdir)}
-  if config.sft.steps > 0:
-    params = run_sft(config, workdir, policy, programs, params, fingerprint)
-    summary["sft_steps"] = config.sft.steps
-  if config.rl.steps > 0:
-    params = run_rl(config, workdir, policy, programs, params, fingerprint)
-    summary["rl_steps"] = config.rl.steps
+  if cfg.sft.steps > 0:
+    params = run_sft(cfg, workdir, policy, programs, params, fingerprint)
+    summary["sft_steps"] = cfg.sft.steps
+  if cfg.rl.steps > 0:
+    params = run_rl(cfg, workdir, policy, programs, params, fingerprint)
+    summary["rl_steps"] = cfg.rl.steps
   if primary:
     (workdir / "DONE").write_text(json.dumps(summary) + "\n")
   return summary

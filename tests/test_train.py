@@ -15,6 +15,7 @@ import pytest
 from configs.default import get_config
 from jaxagent import train
 from jaxagent.runs import layout, setup
+from jaxagent.runs.config import run_config
 from jaxagent.runs.lock import WorkdirLockedError
 from jaxagent.runs.programs import programs_for
 
@@ -150,7 +151,8 @@ def test_only_the_primary_process_writes_metrics_and_markers(tmp_path, monkeypat
   metrics, TensorBoard events, config.json and DONE are written once, by process 0."""
   from jaxagent.sharding import distributed
   data = tmp_path / "data"
-  setup.load_tasks(_rl_only(2, **{"data.dir": str(data)}), tmp_path, "train")   # built once
+  cfg = run_config(_rl_only(2, **{"data.dir": str(data)}))
+  setup.load_tasks(cfg.data, cfg.env, tmp_path, "train")                         # built once
   monkeypatch.setattr(distributed, "is_primary", lambda: False)
   other = tmp_path / "other"
   train.run(_rl_only(2, **{"data.dir": str(data)}), other)

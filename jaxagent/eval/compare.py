@@ -8,13 +8,18 @@ Each run's newest evaluation (`jaxagent.eval.checkpoints`) is read back; the pol
 set of states. Labels `ARM_sN` are seed N of arm ARM (`arm_and_seed`); a label without the suffix
 is seed 0 of its own arm. Runs of the base arm (`base`, or `base_s0`, `base_s1`, ... when the
 base itself was trained with several seeds) are the bases; every other arm is an RL arm, all with
-the same seeds (paired: seed N of every arm). An arm's kind (fixed, mix or schedule) comes from
-its training budget (`Budget.arm`), so `8`, `fixed:8` and `FIXED:8` are all fixed-T arms and a
-schedule is not a mix. The claims are decided by `jaxagent.eval.claims`.
+the same seeds (paired: seed N of every arm). An arm's kind (fixed, mix or schedule) is the
+training arm its evaluation recorded (report.json's run.train_arm, `Budget.arm` of the training
+budget), so `8`, `fixed:8` and `FIXED:8` are all fixed-T arms and a schedule is not a mix. The
+claims are decided by `jaxagent.eval.claims`.
+
+    check_evaluations -> arm_kinds -> measure -> study_data -> claims -> comparison_record
+    -> write_comparison        (the steps of `compare`, each its own function)
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import pathlib
 import re
@@ -25,7 +30,7 @@ import numpy as np
 from jaxagent.eval import claims as claims_lib
 from jaxagent.eval import evidence, likelihood, pass_at_kt, plots, report
 from jaxagent.eval.checkpoints import recovery_bars
-from jaxagent.eval.evaluator import TRAJ_FIELDS, Evaluator
+from jaxagent.eval.evaluator import TRAJ_FIELDS, Evaluator, PolicyAnalyses
 from jaxagent.rollout.budget import Budget
 from jaxagent.rollout.trajectory import Trajectory
 from jaxagent.runs import config as sections
@@ -64,15 +69,6 @@ def _traj_from(eps: dict) -> Trajectory:
   return Trajectory(**out)
 
 
-def run_kind(label: str, base: str, train_budget: str) -> str:
-  """"base" for the base label, else the training budget's arm: "fixed" (one value: `8`,
-  `fixed:8`, `FIXED:8`, `mix:8`), "mix" (BudgetMix: mix/weighted over several values) or
-  "schedule" (values that change over training steps)."""
-  if label == base:
-    return "base"
-  return Budget.parse(str(train_budget)).arm
-
-
 def group_runs(labels, base: str) -> tuple[list[str], dict[str, list[str]]]:
   """(base labels by seed, {RL arm: labels by seed}) from run labels (see the module docstring).
   Raises ValueError naming the fix when the base is missing or the arms' seeds differ."""
@@ -107,6 +103,237 @@ def study_rules(config) -> evidence.Rules:
                         min_seeds=st.min_seeds, min_tasks=st.min_tasks)
 
 
+@dataclasses.dataclass(frozen=True)
+class RunSet:
+  """The runs compared: their workdirs, newest evaluations, grouping and arm kinds."""
+  workdirs: dict[str, str]               # label -> workdir
+  evals: dict[str, tuple[dict, dict]]    # label -> (report, episodes) of `latest_eval`
+  bases: list[str]                       # the base labels by seed (`group_runs`)
+  arms: dict[str, list[str]]             # RL arm -> its labels by seed
+  kinds: dict[str, str]                  # RL arm -> kind (`arm_kinds`)
+  turns: dict[str, int]                  # RL arm -> its training T_max
+
+  @property
+  def shown(self) -> list[str]:
+    """The runs drawn in the likelihood matrix and pass curves: the bases and seed 0 of every
+    arm."""
+    return self.bases + [labs[0] for labs in self.arms.values()]
+
+
+def check_evaluations(evals: dict[str, tuple[dict, dict]], bases: list[str]) -> None:
+  """Raises ValueError naming the fix unless every run was evaluated like the first base (same
+  eval mode, budgets, samples per task and test tasks) and every RL run with its budget as
+  visible as during its training (`report.json`'s run.train_budget_visible)."""
+  rep0, eps0 = evals[bases[0]]
+  tasks0 = [k for k in eps0 if k.startswith("task/")]
+  for lab, (rep, eps) in evals.items():
+    same = (all(rep["eval"][k] == rep0["eval"][k] for k in ("mode", "budgets", "num_samples"))
+            and set(eps) >= set(tasks0)
+            and all(np.array_equal(eps[k], eps0[k]) for k in tasks0))
+    if not same:
+      raise ValueError(f"run {lab!r} was evaluated on other tasks or settings than "
+                       f"{bases[0]!r}; evaluate every run with the same config (data, env and "
+                       "eval sections)")
+    trained = bool(rep["run"].get("train_budget_visible", False))
+    if lab not in bases and trained != bool(rep["eval"]["budget_visible"]):
+      raise ValueError(
+          f"run {lab!r} was trained with the budget {'visible' if trained else 'hidden'} but "
+          f"evaluated with it {'visible' if rep['eval']['budget_visible'] else 'hidden'}; "
+          "evaluate as it was trained: " + ("config.eval.mode=rerun with "
+                                            "config.eval.rerun_budget_visible=True" if trained
+                                            else "config.eval.mode=truncation, or rerun with "
+                                            "config.eval.rerun_budget_visible=False"))
+
+
+def arm_kinds(evals: dict[str, tuple[dict, dict]],
+              arms: dict[str, list[str]]) -> tuple[dict[str, str], dict[str, int]]:
+  """({arm: kind}, {arm: training T_max}) from the evaluation of each arm's seed 0.
+
+  The kind is the training arm stored with the evaluation (report.json's run.train_arm: "fixed",
+  "mix" or "schedule", `Budget.arm` of the training budget), or "credit" for an arm trained with
+  turn-level credit or process rewards: it is reported beside the standard arm, never taken for
+  it (or for a fixed-T arm of claim 3). T_max is the training budget's largest value (the report
+  stores its spec, run.train_budget)."""
+  kinds, turns = {}, {}
+  for arm, labs in arms.items():
+    run = evals[labs[0]][0]["run"]
+    if "train_arm" not in run:
+      raise ValueError(f"the evaluation of run {labs[0]!r} does not record its training arm "
+                       "(report.json run.train_arm; evaluations before it was recorded); "
+                       "evaluate the run again with python -m launch.evaluate")
+    kinds[arm] = "credit" if run.get("train_credit") else run["train_arm"]
+    turns[arm] = Budget.parse(str(run["train_budget"])).max_turns
+  return kinds, turns
+
+
+class LogLikelihoods:
+  """Log-likelihoods of each run's stored trajectories under each policy: `self(a, b)` scores
+  run a's trajectories (rows `rows[a]`, `Evaluator.likelihood_rows`) under run b's params,
+  once per pair, when first asked (`likelihood.agent_loglik`: {"sum", "mean", "count"} [R])."""
+
+  def __init__(self, ev: Evaluator, params: dict, trajs: dict[str, Trajectory],
+               e: sections.EvalConfig):
+    self.ev, self.params, self.trajs, self.e = ev, params, trajs, e
+    self.rows = {lab: ev.likelihood_rows(int(np.asarray(t.length).shape[0]))
+                 for lab, t in trajs.items()}
+    self._scored: dict = {}
+
+  def __call__(self, a: str, b: str) -> dict:
+    if (a, b) not in self._scored:
+      t, r = self.trajs[a], self.rows[a]
+      lp = likelihood.score_rows(self.ev.policy.config, self.params[b], np.asarray(t.tokens)[r],
+                                 np.asarray(t.length)[r], self.e.temperature, self.e.score_batch)
+      self._scored[(a, b)] = likelihood.agent_loglik(lp, np.asarray(t.loss_mask)[r])
+    return self._scored[(a, b)]
+
+  def matrix(self, shown: list[str]) -> dict:
+    """The matrix reported (rows: trajectories, cols: scoring policies): mean sum and mean
+    per-token log p of the agent's tokens (None where no row has an agent token)."""
+    return {"rows": shown, "cols": shown,
+            "sum": [[float(np.mean(self(a, b)["sum"])) for b in shown] for a in shown],
+            "mean": [[float(np.nanmean(self(a, b)["mean"])) if np.any(self(a, b)["count"] > 0)
+                      else None for b in shown] for a in shown],
+            "temperature": self.e.temperature,
+            "num_trajectories": {lab: int(len(self.rows[lab])) for lab in shown}}
+
+
+@dataclasses.dataclass
+class Measured:
+  """The policy-level measurements of every run on one common set of states (`measure`)."""
+  evaluator: Evaluator
+  trajs: dict[str, Trajectory]     # label -> its stored evaluation trajectories
+  policy: PolicyAnalyses           # step quality and controlled recovery of every run
+  loglik: LogLikelihoods           # (trajectories' label, scoring label) -> log-likelihoods
+
+
+def measure(rs: RunSet, config, e: sections.EvalConfig, programs=None) -> Measured:
+  """Restores every run's evaluated params and analyses all of them on one common set of states:
+  oracle prefixes (rolled out with config.eval.seed's key on the first base's test tasks) and
+  the first base run's stored trajectories (prefixes and error states)."""
+  rep0, eps0 = rs.evals[rs.bases[0]]
+  test_arrays = {k[len("task/"):]: v for k, v in eps0.items() if k.startswith("task/")}
+  ev = Evaluator(config, test_arrays=test_arrays, programs=programs)
+  vis = bool(rep0["eval"]["budget_visible"])
+  params = {lab: layout.restore_params(rs.workdirs[lab], rep["run"]["phase"], rep["run"]["step"],
+                                       ev.abstract)
+            for lab, (rep, _) in rs.evals.items()}
+  trajs = {lab: _traj_from(eps) for lab, (_, eps) in rs.evals.items()}
+  _, k_oracle, k_act = jax.random.split(jax.random.key(e.seed), 3)
+  oracle_traj = ev.rollouts(params[rs.bases[0]], k_oracle, max(rep0["eval"]["budgets"]),
+                            budget_visible=vis, temperature=e.temperature, group_size=1,
+                            oracle=True)
+  policy = ev.policy_analyses(params, oracle_traj, trajs[rs.bases[0]], k_oracle, k_act, vis)
+  return Measured(ev, trajs, policy, LogLikelihoods(ev, params, trajs, e))
+
+
+def study_data(rs: RunSet, m: Measured) -> claims_lib.StudyData:
+  """What the claims are decided from: per-task Pass@1 at every evaluated T (1..T_max when
+  truncated, the rerun budgets else), claim 1's tight and generous budgets, the step-quality and
+  recovery outcomes on the common states, and the log-likelihoods."""
+  rep0, eps0 = rs.evals[rs.bases[0]]
+  mode, budgets = rep0["eval"]["mode"], rep0["eval"]["budgets"]
+  t_top = max(budgets)
+  t_values = list(range(1, t_top + 1)) if mode == "truncation" else list(budgets)
+  t_tight, t_gen = claims_lib.tight_generous(t_values, eps0["optimal_turns"])
+  a = m.policy
+  return claims_lib.StudyData(
+      arms=rs.arms, bases=rs.bases, kinds=rs.kinds, turns=rs.turns,
+      num_tasks=m.evaluator.num_tasks, t_values=t_values, t_tight=t_tight, t_gen=t_gen,
+      pass1={lab: pass_at_kt.per_task_pass1(mode, eps["success_turn_by_t"], t_values, t_top)
+             for lab, (_, eps) in rs.evals.items()},
+      step={lab: o["sampled"]["valid_call"] for lab, o in a.step_quality.items()},
+      step_task=a.refs.task, step_after_error=a.refs.prev_error_kind != 0,
+      rec={lab: o["sampled"]["valid_call"] for lab, o in a.recovery.items()},
+      rec_task=a.errs.task, rec_kind=a.errs.prev_error_kind,
+      loglik=m.loglik,
+      traj_task={lab: np.asarray(t.task_id)[m.loglik.rows[lab]] for lab, t in m.trajs.items()})
+
+
+def _rules_record(rules: evidence.Rules) -> dict:
+  """comparison.json's "rules": the decision rules in words, their margins and the method."""
+  return {"summary": rules.describe(), "margins": dict(
+              effect=rules.effect, non_inferiority=rules.non_inferiority,
+              loglik_nats=rules.loglik_nats, confidence=rules.confidence,
+              min_seeds=rules.min_seeds, min_tasks=rules.min_tasks),
+          "method": RULES_METHOD}
+
+
+def _runs_record(rs: RunSet) -> dict:
+  """comparison.json's "runs": label -> where the run is, which checkpoint was evaluated, its
+  arm, seed, kind and training settings."""
+  out = {}
+  for lab, (rep, _) in rs.evals.items():
+    arm, seed = arm_and_seed(lab)
+    run = rep["run"]
+    out[lab] = {"workdir": str(rs.workdirs[lab]), "arm": arm, "seed": seed,
+                "config_seed": run.get("seed"), "phase": run["phase"], "step": run["step"],
+                "train_budget": run["train_budget"], "rl_steps": run["rl_steps"],
+                "credit": run.get("train_credit", ""),
+                "kind": "base" if lab in rs.bases else rs.kinds[arm]}
+  return out
+
+
+def comparison_record(rs: RunSet, m: Measured, data: claims_lib.StudyData, decided: dict,
+                      credit: dict, rules: evidence.Rules, e: sections.EvalConfig) -> dict:
+  """The comparison as comparison.json holds it (before "dir" and "files"): rules, runs, the
+  decided claims and every measurement behind them."""
+  rep0 = rs.evals[rs.bases[0]][0]
+  lik = m.loglik.matrix(rs.shown)
+  labels = list(rs.workdirs)
+  return {
+      "definitions": report.DEFINITIONS,
+      "rules": _rules_record(rules),
+      "runs": _runs_record(rs),
+      "bases": rs.bases,
+      "arms": rs.arms,
+      "budgets": {"T_tight": report.describe_budget(data.t_tight), "T_gen": data.t_gen},
+      "eval": {k: rep0["eval"][k] for k in ("mode", "budgets", "budget_visible", "num_samples",
+                                            "num_tasks", "temperature")},
+      "curve_ks": [k for k in e.curve_ks if k <= rep0["eval"]["num_samples"]],
+      "claims": {str(k): v for k, v in decided.items()},
+      "credit": credit,
+      "pass_at_kt": {lab: rep["pass_at_kt"] for lab, (rep, _) in rs.evals.items()},
+      "reference_states": m.policy.report["reference_states"],
+      "step_quality": {lab: m.policy.report["step_quality"][lab] for lab in labels},
+      "recovery": {"controlled": {lab: m.policy.report["controlled"][lab] for lab in labels},
+                   "on_policy": {lab: m.evaluator.on_policy(t) for lab, t in m.trajs.items()}},
+      "likelihood": lik,
+  }
+
+
+def _plot_files(comp: dict, out: pathlib.Path) -> list[str]:
+  """Draws the comparison's plots into `out`; returns their file names: pass curves of the
+  shown runs at the smallest and largest K, a Pass@(K,T) heatmap per run, step quality,
+  controlled recovery and the likelihood matrix."""
+  ks, lik = comp["curve_ks"], comp["likelihood"]
+  shown_grids = {lab: comp["pass_at_kt"][lab] for lab in lik["rows"]}
+  paths = [plots.pass_curves_runs(shown_grids, k, out / f"pass_curves_k{k}.png")
+           for k in sorted({ks[0], ks[-1]} if ks else set())]
+  paths += [plots.pass_heatmap(g, out / f"pass_heatmap_{lab}.png", f"Pass@(K,T): {lab}")
+            for lab, g in comp["pass_at_kt"].items()]
+  paths.append(plots.rate_bars(
+      {lab: {"valid": q["sampled"]["overall"]["valid"], "oracle": q["sampled"]["overall"]["oracle"],
+             "valid (greedy)": q["greedy"]["overall"]["valid"],
+             "oracle (greedy)": q["greedy"]["overall"]["oracle"]}
+       for lab, q in comp["step_quality"].items()},
+      out / "step_quality.png", "Step-level action quality (common reference states)"))
+  paths.append(plots.rate_bars(recovery_bars(comp["recovery"]["controlled"]),
+                               out / "recovery.png",
+                               "Controlled recovery: valid next call (sampled)"))
+  paths.append(plots.matrix(lik["sum"], lik["rows"], lik["cols"], out / "likelihood.png",
+                            "Mean sum log p of agent tokens"))
+  return [pathlib.Path(p).name for p in paths]
+
+
+def write_comparison(comp: dict, out: pathlib.Path) -> None:
+  """Writes the plots, comparison.json and comparison.md into `out` (created if needed) and
+  lists them in comp["files"]."""
+  out.mkdir(parents=True, exist_ok=True)
+  comp["files"] = ["comparison.json", "comparison.md"] + _plot_files(comp, out)
+  report.write_json(comp, out / "comparison.json")
+  (out / "comparison.md").write_text(report.comparison_markdown(report.to_jsonable(comp)))
+
+
 def compare(runs: dict[str, str], out_dir, config, base: str = "base", *,
             programs=None) -> dict:
   """Side-by-side comparison of several runs' evaluations, with the claims of docs/STUDY.md decided.
@@ -121,153 +348,25 @@ def compare(runs: dict[str, str], out_dir, config, base: str = "base", *,
     programs: compiled functions to reuse (`jaxagent.runs.programs.Programs` of this config's
       policy and environment, e.g. the study's); default new ones.
   Every run must have been evaluated on the same test tasks with the same eval mode, budgets and
-  n, and with the budget as visible as its training's. Step quality and controlled recovery are
-  recomputed for every policy on one common set of states: oracle prefixes and the first base
-  run's evaluation trajectories (prefixes and error states); log-likelihoods score each run's
-  stored trajectories under the policies its claims compare it with.
+  n, and with the budget as visible as its training's (`check_evaluations`). Step quality and
+  controlled recovery are recomputed for every policy on one common set of states (`measure`);
+  log-likelihoods score each run's stored trajectories under the policies its claims compare it
+  with. Returns comparison.json's content; only the primary process writes the files.
   """
   bases, arms = group_runs(list(runs), base)
   out = pathlib.Path(out_dir)
-  e = sections.eval_config(config)
-  rules = study_rules(config)
+  e, rules = sections.eval_config(config), study_rules(config)
   evals = {lab: latest_eval(w) for lab, w in runs.items()}
-  rep0, eps0 = evals[bases[0]]
-  for lab, (rep, eps) in evals.items():
-    same = (rep["eval"]["mode"] == rep0["eval"]["mode"]
-            and rep["eval"]["budgets"] == rep0["eval"]["budgets"]
-            and rep["eval"]["num_samples"] == rep0["eval"]["num_samples"]
-            and set(eps) >= {k for k in eps0 if k.startswith("task/")}
-            and all(np.array_equal(eps[k], eps0[k]) for k in eps0 if k.startswith("task/")))
-    if not same:
-      raise ValueError(f"run {lab!r} was evaluated on other tasks or settings than "
-                       f"{bases[0]!r}; evaluate every run with the same config (data, env and "
-                       "eval sections)")
-    trained = bool(rep["run"].get("train_budget_visible", False))
-    if lab not in bases and trained != bool(rep["eval"]["budget_visible"]):
-      raise ValueError(
-          f"run {lab!r} was trained with the budget {'visible' if trained else 'hidden'} but "
-          f"evaluated with it {'visible' if rep['eval']['budget_visible'] else 'hidden'}; "
-          "evaluate as it was trained: " + ("config.eval.mode=rerun with "
-                                            "config.eval.rerun_budget_visible=True" if trained
-                                            else "config.eval.mode=truncation, or rerun with "
-                                            "config.eval.rerun_budget_visible=False"))
-  test_arrays = {k[len("task/"):]: v for k, v in eps0.items() if k.startswith("task/")}
-  ev = Evaluator(config, test_arrays=test_arrays, programs=programs)
-  mode, budgets = rep0["eval"]["mode"], rep0["eval"]["budgets"]
-  vis = bool(rep0["eval"]["budget_visible"])
-  t_top = max(budgets)
-  params = {lab: layout.restore_params(runs[lab], rep["run"]["phase"], rep["run"]["step"],
-                                      ev.abstract)
-            for lab, (rep, _) in evals.items()}
-  trajs = {lab: _traj_from(eps) for lab, (_, eps) in evals.items()}
-  # An arm trained with turn-level credit or process rewards is its own kind: it is reported
-  # beside the standard arm, never taken for it (or for a fixed-T arm of claim 3).
-  arm_kind = {arm: ("credit" if evals[labs[0]][0]["run"].get("train_credit")
-                    else Budget.parse(str(evals[labs[0]][0]["run"]["train_budget"])).arm)
-              for arm, labs in arms.items()}
-  arm_turns = {arm: Budget.parse(str(evals[labs[0]][0]["run"]["train_budget"])).max_turns
-               for arm, labs in arms.items()}
-
-  key = jax.random.key(e.seed)
-  _, k_oracle, k_act = jax.random.split(key, 3)
-  oracle_traj = ev.rollouts(params[bases[0]], k_oracle, t_top, budget_visible=vis,
-                            temperature=e.temperature, group_size=1, oracle=True)
-  analyses = ev.policy_analyses(params, oracle_traj, trajs[bases[0]], k_oracle, k_act, vis)
-
-  # Log-likelihoods, each (trajectories, scoring policy) pair scored once, when first needed.
-  rows = {lab: ev.likelihood_rows(int(np.asarray(t.length).shape[0])) for lab, t in trajs.items()}
-  scored: dict = {}
-
-  def loglik(a: str, b: str) -> dict:
-    if (a, b) not in scored:
-      t, r = trajs[a], rows[a]
-      lp = likelihood.score_rows(ev.policy.config, params[b], np.asarray(t.tokens)[r],
-                                 np.asarray(t.length)[r], e.temperature, e.score_batch)
-      scored[(a, b)] = likelihood.agent_loglik(lp, np.asarray(t.loss_mask)[r])
-    return scored[(a, b)]
-
-  t_values = list(range(1, t_top + 1)) if mode == "truncation" else list(budgets)
-  t_tight, t_gen = claims_lib.tight_generous(t_values, eps0["optimal_turns"])
-  data = claims_lib.StudyData(
-      arms=arms, bases=bases, kinds=arm_kind, turns=arm_turns, num_tasks=ev.num_tasks,
-      t_values=t_values, t_tight=t_tight, t_gen=t_gen,
-      pass1={lab: pass_at_kt.per_task_pass1(mode, eps["success_turn_by_t"], t_values, t_top)
-             for lab, (_, eps) in evals.items()},
-      step={lab: o["sampled"]["valid_call"] for lab, o in analyses.step_quality.items()},
-      step_task=analyses.refs.task, step_after_error=analyses.refs.prev_error_kind != 0,
-      rec={lab: o["sampled"]["valid_call"] for lab, o in analyses.recovery.items()},
-      rec_task=analyses.errs.task, rec_kind=analyses.errs.prev_error_kind,
-      loglik=loglik,
-      traj_task={lab: np.asarray(t.task_id)[rows[lab]] for lab, t in trajs.items()})
+  check_evaluations(evals, bases)
+  rs = RunSet(dict(runs), evals, bases, arms, *arm_kinds(evals, arms))
+  m = measure(rs, config, e, programs)
+  data = study_data(rs, m)
   decided = claims_lib.decide_claims(data, rules, num_bootstrap=e.num_bootstrap, seed=e.seed)
   credit = claims_lib.decide_credit(data, rules, num_bootstrap=e.num_bootstrap, seed=e.seed)
-
-  # The likelihood matrix shown: the bases and seed 0 of every arm.
-  shown = bases + [labs[0] for labs in arms.values()]
-  lik = {"rows": shown, "cols": shown,
-         "sum": [[float(np.mean(loglik(a, b)["sum"])) for b in shown] for a in shown],
-         "mean": [[float(np.nanmean(loglik(a, b)["mean"])) if np.any(loglik(a, b)["count"] > 0)
-                   else None for b in shown] for a in shown],
-         "temperature": e.temperature,
-         "num_trajectories": {lab: int(len(rows[lab])) for lab in shown}}
-  labels = {lab: arm_and_seed(lab) for lab in runs}
-  ks = [k for k in e.curve_ks if k <= rep0["eval"]["num_samples"]]
-  comp = {
-      "definitions": report.DEFINITIONS,
-      "rules": {"summary": rules.describe(), "margins": dict(
-                    effect=rules.effect, non_inferiority=rules.non_inferiority,
-                    loglik_nats=rules.loglik_nats, confidence=rules.confidence,
-                    min_seeds=rules.min_seeds, min_tasks=rules.min_tasks),
-                "method": RULES_METHOD},
-      "runs": {lab: {"workdir": str(runs[lab]), "arm": labels[lab][0], "seed": labels[lab][1],
-                     "config_seed": rep["run"].get("seed"), "phase": rep["run"]["phase"],
-                     "step": rep["run"]["step"], "train_budget": rep["run"]["train_budget"],
-                     "rl_steps": rep["run"]["rl_steps"],
-                     "credit": rep["run"].get("train_credit", ""),
-                     "kind": "base" if lab in bases else arm_kind[labels[lab][0]]}
-               for lab, (rep, _) in evals.items()},
-      "bases": bases,
-      "arms": arms,
-      "budgets": {"T_tight": report.describe_budget(t_tight), "T_gen": t_gen},
-      "eval": {k: rep0["eval"][k] for k in ("mode", "budgets", "budget_visible", "num_samples",
-                                            "num_tasks", "temperature")},
-      "curve_ks": ks,
-      "claims": {str(k): v for k, v in decided.items()},
-      "credit": credit,
-      "pass_at_kt": {lab: rep["pass_at_kt"] for lab, (rep, _) in evals.items()},
-      "reference_states": analyses.report["reference_states"],
-      "step_quality": {lab: analyses.report["step_quality"][lab] for lab in runs},
-      "recovery": {"controlled": {lab: analyses.report["controlled"][lab] for lab in runs},
-                   "on_policy": {lab: ev.on_policy(t) for lab, t in trajs.items()}},
-      "likelihood": lik,
-  }
+  comp = comparison_record(rs, m, data, decided, credit, rules, e)
   comp["dir"] = str(out)
-  if not distributed.is_primary():          # every process computed it; one writes it
-    return comp
-  out.mkdir(parents=True, exist_ok=True)
-  files = ["comparison.json", "comparison.md"]
-  shown_grids = {lab: comp["pass_at_kt"][lab] for lab in shown}
-  for k in sorted({ks[0], ks[-1]} if ks else set()):
-    files.append(pathlib.Path(plots.pass_curves_runs(shown_grids, k,
-                                                     out / f"pass_curves_k{k}.png")).name)
-  for lab, g in comp["pass_at_kt"].items():
-    files.append(pathlib.Path(plots.pass_heatmap(g, out / f"pass_heatmap_{lab}.png",
-                                                 f"Pass@(K,T): {lab}")).name)
-  files.append(pathlib.Path(plots.rate_bars(
-      {lab: {"valid": q["sampled"]["overall"]["valid"], "oracle": q["sampled"]["overall"]["oracle"],
-             "valid (greedy)": q["greedy"]["overall"]["valid"],
-             "oracle (greedy)": q["greedy"]["overall"]["oracle"]}
-       for lab, q in comp["step_quality"].items()},
-      out / "step_quality.png", "Step-level action quality (common reference states)")).name)
-  files.append(pathlib.Path(plots.rate_bars(
-      recovery_bars(comp["recovery"]["controlled"]), out / "recovery.png",
-      "Controlled recovery: valid next call (sampled)")).name)
-  files.append(pathlib.Path(plots.matrix(lik["sum"], lik["rows"], lik["cols"],
-                                         out / "likelihood.png",
-                                         "Mean sum log p of agent tokens")).name)
-  comp["files"] = files
-  report.write_json(comp, out / "comparison.json")
-  (out / "comparison.md").write_text(report.comparison_markdown(report.to_jsonable(comp)))
+  if distributed.is_primary():          # every process computed it; one writes it
+    write_comparison(comp, out)
   return comp
 
 

@@ -62,7 +62,8 @@ class EnvSet:
     self.programs = programs_for(config, policy.config, policy.tokenizer, programs)
     self.env = self.programs.env
     if test_arrays is None:
-      test_arrays = setup.load_tasks(config, workdir, "test")
+      test_arrays = setup.load_tasks(sections.data_config(config), sections.env_config(config),
+                                     workdir, "test")
       if e.num_tasks:
         test_arrays = {k: v[:e.num_tasks] for k, v in test_arrays.items()}
     self.test_arrays = {k: np.asarray(v) for k, v in test_arrays.items()}

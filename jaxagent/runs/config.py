@@ -3,7 +3,8 @@
     sft = sft_config(config)      # SFTConfig: the supervised phase
     rl = rl_config(config)        # RLConfig: the RL phase (budget parsed, LearnerConfig built)
     ev = eval_config(config)      # EvalConfig: evaluation (string specs parsed into tuples)
-    validate(config)              # all three; raises the first ConfigError
+    validate(config)              # every section; raises the first ConfigError
+    run = run_config(config)      # RunConfig: every section typed (run, model, env, data, ...)
 
 configs/default.py is the one set of defaults: these dataclasses have none, so every key of a
 section must be in the config. Reading a section rejects unknown keys, missing keys and wrongly
@@ -587,11 +588,48 @@ def check_env(config) -> None:
 def validate(config) -> None:
   """Reads every typed section (top-level keys, model, env, data, guard, sft, rl, eval); raises
   the first ConfigError, naming the key, the bad value and the accepted range."""
-  run_section(config)
+  run_config(config)
+
+
+@dataclasses.dataclass(frozen=True)
+class EnvConfig:
+  """config.env: the environment's name (a registered one) and its difficulty knobs, as sorted
+  (knob, value) pairs so the section is hashable; `knobs` gives them as a dict."""
+  name: str
+  difficulty: tuple[tuple[str, Any], ...]
+
+  @property
+  def knobs(self) -> dict[str, Any]:
+    """The difficulty knobs as keyword arguments of the environment (`envs.make`)."""
+    return dict(self.difficulty)
+
+
+def env_config(config) -> EnvConfig:
+  """config.env as an EnvConfig (the name checked by `check_env`)."""
   check_env(config)
-  model_config(config)
-  data_config(config)
-  guard_config(config)
-  sft_config(config)
-  rl_config(config)
-  eval_config(config)
+  env = config.env
+  return EnvConfig(name=env.name, difficulty=tuple(sorted(dict(env.difficulty).items())))
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+  """A whole run config, typed: what training reads, every section read and checked once
+  (`run_config`). The raw config stays the run's record (pinned to <workdir>/config.json)."""
+  run: RunSection        # the top-level keys: seed, devices, logging, checkpoints
+  model: ModelSection
+  env: EnvConfig
+  data: DataConfig
+  guard: GuardConfig
+  sft: SFTConfig
+  rl: RLConfig
+  eval: EvalConfig
+
+
+def run_config(config) -> RunConfig:
+  """Every typed section of `config` (in the order `validate` checks them); raises the first
+  ConfigError."""
+  run = run_section(config)
+  env = env_config(config)
+  return RunConfig(run=run, env=env, model=model_config(config), data=data_config(config),
+                   guard=guard_config(config), sft=sft_config(config), rl=rl_config(config),
+                   eval=eval_config(config))

@@ -28,9 +28,10 @@ def checkpoint_dir(workdir, phase: str) -> pathlib.Path:
   return pathlib.Path(workdir) / "checkpoints" / phase
 
 
-def data_dir(config, workdir) -> pathlib.Path:
-  """Where task splits and demonstrations are built: config.data.dir, else <workdir>/data."""
-  return pathlib.Path(config.data.dir or pathlib.Path(workdir) / "data")
+def data_dir(data, workdir) -> pathlib.Path:
+  """Where task splits and demonstrations are built: config.data.dir (`data`: the data section,
+  `jaxagent.runs.config.DataConfig`), else <workdir>/data."""
+  return pathlib.Path(data.dir or pathlib.Path(workdir) / "data")
 
 
 def eval_dir_name(phase: str, step: int) -> str:

@@ -3,8 +3,9 @@ splits and the SFT demonstrations. Training, evaluation and the study all start 
 
     policy = load_policy(config)                       # config.model, config.mesh, num_devices
     env = make_env(config, policy.tokenizer)           # config.env
-    tasks = load_tasks(config, workdir, "test")        # built into the data dir on first use
-    demos = load_demos(config, workdir, policy.tokenizer, "train")
+    run = run_config(config)                           # the typed sections (runs.config)
+    tasks = load_tasks(run.data, run.env, workdir, "test")   # built into the data dir on first use
+    demos = load_demos(run.data, run.env, workdir, policy.tokenizer, "train", seed=run.run.seed)
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from jaxagent.models import ModelConfig, Policy, from_pretrained
 from jaxagent.models.policy import load_config_and_tokenizer
 from jaxagent.rollout.api import max_transcript_len
 from jaxagent.runs import layout
-from jaxagent.runs.config import ConfigError
+from jaxagent.runs.config import ConfigError, DataConfig, EnvConfig
 from jaxagent.sharding import distributed, make_mesh
 
 
@@ -82,35 +83,38 @@ def build_once(name: str, build) -> None:
     build()
 
 
-def task_kwargs(config) -> dict:
-  return dict(seed=config.data.seed, num_train=config.data.num_train,
-              num_validation=config.data.num_validation, num_test=config.data.num_test,
-              **dict(config.env.difficulty))
+def task_kwargs(data: DataConfig, env: EnvConfig) -> dict:
+  """The keyword arguments that name a task set (`jaxagent.data.tasks.task_set_config`)."""
+  return dict(seed=data.seed, num_train=data.num_train, num_validation=data.num_validation,
+              num_test=data.num_test, **env.knobs)
 
 
-def load_tasks(config, workdir, split: str) -> dict[str, np.ndarray]:
-  """The fixed task split as numpy arrays (built into the data dir on first use)."""
-  d = layout.data_dir(config, workdir)
-  build_once("tasks", lambda: task_data.build(d, config.env.name, **task_kwargs(config)))
-  return task_data.load(d, config.env.name, split, **task_kwargs(config))
+def load_tasks(data: DataConfig, env: EnvConfig, workdir, split: str) -> dict[str, np.ndarray]:
+  """The fixed task split of config.data's sizes and seed in config.env's environment, as numpy
+  arrays (built into the data dir, `layout.data_dir`, on first use)."""
+  d = layout.data_dir(data, workdir)
+  build_once("tasks", lambda: task_data.build(d, env.name, **task_kwargs(data, env)))
+  return task_data.load(d, env.name, split, **task_kwargs(data, env))
 
 
-def demo_kwargs(config) -> dict:
-  d = config.data
-  return dict(task_seed=d.seed, num_train=d.num_train, num_validation=d.num_validation,
-              num_test=d.num_test, error_rate=d.demo_error_rate,
-              recovery_rate=d.demo_recovery_rate, max_turns=d.demo_max_turns,
-              max_len=d.demo_max_len, seed=config.seed,
-              episodes_per_task=d.demo_episodes_per_task, **dict(config.env.difficulty))
+def demo_kwargs(data: DataConfig, env: EnvConfig, seed: int) -> dict:
+  """The keyword arguments that name a demonstration set (`jaxagent.data.demos`); `seed` is the
+  run's (config.seed), which draws the demonstrations' noise."""
+  return dict(task_seed=data.seed, num_train=data.num_train, num_validation=data.num_validation,
+              num_test=data.num_test, error_rate=data.demo_error_rate,
+              recovery_rate=data.demo_recovery_rate, max_turns=data.demo_max_turns,
+              max_len=data.demo_max_len, seed=seed,
+              episodes_per_task=data.demo_episodes_per_task, **env.knobs)
 
 
-def load_demos(config, workdir, tokenizer, split: str) -> dict[str, np.ndarray]:
+def load_demos(data: DataConfig, env: EnvConfig, workdir, tokenizer, split: str, *,
+               seed: int) -> dict[str, np.ndarray]:
   """Noisy-oracle demonstrations (built on first use), token arrays cut to the longest one
-  (rounded up to a multiple of 64)."""
-  d = layout.data_dir(config, workdir)
-  build_once("demos", lambda: demo_data.build(d, config.env.name, tokenizer,
-                                              **demo_kwargs(config)))
-  arrays = demo_data.load(d, config.env.name, tokenizer, split, **demo_kwargs(config))
+  (rounded up to a multiple of 64). seed: the run's seed (config.seed)."""
+  d = layout.data_dir(data, workdir)
+  kwargs = demo_kwargs(data, env, seed)
+  build_once("demos", lambda: demo_data.build(d, env.name, tokenizer, **kwargs))
+  arrays = demo_data.load(d, env.name, tokenizer, split, **kwargs)
   keep = -(-int(arrays["length"].max()) // 64) * 64
   for k in ("tokens", "loss_mask", "turn_of_token"):
     arrays[k] = arrays[k][:, :keep]

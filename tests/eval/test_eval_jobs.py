@@ -263,10 +263,10 @@ def test_compare_decides_each_claim_on_its_arm(run_dir, ev, latest, tmp_path):
   shutil.copytree(run_dir / "eval" / "sft_4", base / "eval" / "sft_4")
   # Two arms of two seeds each: the RL run as BudgetMix seeds, and (relabelled) as fixed-T seeds.
   runs = {"base": str(base)}
-  for arm, budget in (("budgetmix", "mix:1,2"), ("fixed", "fixed:4")):
+  for arm, budget, kind in (("budgetmix", "mix:1,2", "mix"), ("fixed", "fixed:4", "fixed")):
     for u in (0, 1):
       runs[f"{arm}_s{u}"] = str(_copy_run(run_dir, tmp_path / f"{arm}_s{u}", "2",
-                                          train_budget=budget, seed=u))
+                                          train_budget=budget, train_arm=kind, seed=u))
   out = tmp_path / "cmp"
   compare.compare(runs, out, small_config())
   for f in ["comparison.json", "comparison.md", "pass_curves_k1.png", "pass_curves_k2.png",

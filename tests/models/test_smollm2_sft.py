@@ -19,6 +19,7 @@ from jaxagent import train
 from jaxagent.data import tasks as task_data
 from jaxagent.rollout.stats import trajectory_stats
 from jaxagent.runs import layout, setup
+from jaxagent.runs.config import run_config
 from jaxagent.runs.programs import programs_for
 
 pytest.importorskip("gguf")
@@ -61,7 +62,9 @@ def test_twenty_sft_steps_lower_the_loss_and_raise_the_valid_call_rate(tmp_path)
   workdir = tmp_path / "run"
   policy = setup.load_policy(config)
   programs = programs_for(config, policy.config, policy.tokenizer)
-  tasks = task_data.tasks_from_arrays(programs.env, setup.load_tasks(config, workdir, "test"))
+  cfg = run_config(config)
+  tasks = task_data.tasks_from_arrays(programs.env,
+                                      setup.load_tasks(cfg.data, cfg.env, workdir, "test"))
   before = _valid_call_rate(programs, policy, policy.params, tasks, config)
 
   train.run(config, workdir, programs=programs)

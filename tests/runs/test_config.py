@@ -236,3 +236,21 @@ def test_read_a_plain_mapping():
              "weight_decay": 0.0, "max_grad_norm": 0.0}
   assert rc._read(rc.SFTConfig, section, "sft") == rc.SFTConfig(**section)
   assert rc._read(rc.SFTConfig, ml_collections.FrozenConfigDict(section), "sft").steps == 1
+
+
+def test_run_config_holds_every_typed_section():
+  c = default.get_config("smoke")
+  with c.unlocked():
+    c.env.name = "lookup"
+    c.env.difficulty = ml_collections.ConfigDict({"hops": 1, "distractor_entities": 2})
+  run = rc.run_config(c)
+  assert run.env == rc.EnvConfig("lookup", (("distractor_entities", 2), ("hops", 1)))
+  assert run.env.knobs == {"hops": 1, "distractor_entities": 2}
+  assert (run.run, run.model, run.data, run.guard) == (
+      rc.run_section(c), rc.model_config(c), rc.data_config(c), rc.guard_config(c))
+  assert (run.sft, run.rl, run.eval) == (rc.sft_config(c), rc.rl_config(c), rc.eval_config(c))
+  hash(run)                                   # frozen sections: usable as a cache key
+  with c.unlocked():
+    c.env.name = "chess"
+  with pytest.raises(ConfigError, match="config.env.name='chess' is not an environment"):
+    rc.run_config(c)

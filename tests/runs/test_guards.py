@@ -137,7 +137,7 @@ def test_unknown_keys_suggest_the_nearest():
 
 
 def test_stall_guard():
-  c = get_config("smoke")
+  c = sections.guard_config(get_config("smoke"))
   sft = StallGuard(c, "sft")
   for s in range(1, 5):
     sft.check(s, {"loss": 6.5, "grad_norm": 0.0})
