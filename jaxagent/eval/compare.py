@@ -181,7 +181,7 @@ class LogLikelihoods:
   def __call__(self, a: str, b: str) -> dict:
     if (a, b) not in self._scored:
       t, r = self.trajs[a], self.rows[a]
-      lp = likelihood.score_rows(self.ev.policy.config, self.params[b], np.asarray(t.tokens)[r],
+      lp = likelihood.score_rows(self.ev.model_config, self.params[b], np.asarray(t.tokens)[r],
                                  np.asarray(t.length)[r], self.e.temperature, self.e.score_batch)
       self._scored[(a, b)] = likelihood.agent_loglik(lp, np.asarray(t.loss_mask)[r])
     return self._scored[(a, b)]

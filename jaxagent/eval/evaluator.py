@@ -22,10 +22,12 @@ import numpy as np
 
 from jaxagent.data.tasks import tasks_from_arrays
 from jaxagent.eval import likelihood, pass_at_kt, recovery, report, step_quality
+from jaxagent.models import decoder
+from jaxagent.models.policy import param_shardings
 from jaxagent.rollout.stats import trajectory_stats
 from jaxagent.rollout.trajectory import Trajectory
 from jaxagent.runs import config as sections
-from jaxagent.runs import layout, setup
+from jaxagent.runs import setup
 from jaxagent.runs.programs import Programs, programs_for
 
 TRAJ_FIELDS = tuple(f.name for f in dataclasses.fields(Trajectory))
@@ -55,11 +57,11 @@ class EnvSet:
   """One environment whose test tasks the evaluator rolls out: its programs (compiled functions)
   and fixed test tasks (the same split training on it would use), and its tokens per turn."""
 
-  def __init__(self, config, policy, workdir, test_arrays: dict | None = None,
+  def __init__(self, config, model_config, tokenizer, workdir, test_arrays: dict | None = None,
                programs: Programs | None = None):
     e = sections.eval_config(config)
     self.config = config
-    self.programs = programs_for(config, policy.config, policy.tokenizer, programs)
+    self.programs = programs_for(config, model_config, tokenizer, programs)
     self.env = self.programs.env
     if test_arrays is None:
       test_arrays = setup.load_tasks(sections.data_config(config), sections.env_config(config),
@@ -108,20 +110,35 @@ class Evaluator:
     self.max_turns = e.max_turns
     self.budgets = list(e.budgets)
     self.budget_visible = e.budget_visible
-    self.policy = setup.load_policy(config)
+    # The model's skeleton and mesh: its weights are read only when evaluated themselves
+    # (`policy`); checkpoints restore onto `abstract`.
+    self.model_config, self.tokenizer = setup.load_skeleton(config)
+    self.mesh = setup.run_mesh(config)
+    self._policy = None
     root = workdir if workdir is not None else config.data.dir or "."
-    self.main = EnvSet(config, self.policy, root, test_arrays, programs)
+    self.main = EnvSet(config, self.model_config, self.tokenizer, root, test_arrays, programs)
     self.programs, self.env = self.main.programs, self.main.env
     self.action_tokens, self.test_arrays = self.main.action_tokens, self.main.test_arrays
     self.tasks, self.num_tasks = self.main.tasks, self.main.num_tasks
-    setup.check_context(self.policy.config, self.env, self.max_turns, self.action_tokens,
+    setup.check_context(self.model_config, self.env, self.max_turns, self.action_tokens,
                         "config.eval.max_turns / config.eval.max_action_tokens")
-    self.abstract = layout.abstract_params(self.policy.params)
+    shardings = param_shardings(self.model_config, self.mesh)
+    self.abstract = jax.tree.map(
+        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+        decoder.abstract_params(self.model_config)[1], shardings)
     # Rollouts that several evaluations share (the base policy's and the oracle's), by key.
     self._memo: dict = {}
     # More environments for step-level quality by environment (config.eval.extra_envs).
-    self.extra = [EnvSet(_extra_config(config, name, knobs), self.policy, root)
+    self.extra = [EnvSet(_extra_config(config, name, knobs), self.model_config, self.tokenizer,
+                         root)
                   for name, knobs in e.env_specs()]
+
+  @property
+  def policy(self):
+    """The config's model with its own weights, read (or initialised) on first use."""
+    if self._policy is None:
+      self._policy = setup.load_policy(self.config)
+    return self._policy
 
   def memo(self, key, compute):
     """compute() once per key for this evaluator (e.g. the base policy's runs, which every RL
@@ -153,7 +170,7 @@ class Evaluator:
       idx = np.where(real, idx, 0)
       traj = es.programs.rollouts(
           params, jax.random.fold_in(key, i), _take(es.tasks, idx), g, budget,
-          mesh=self.policy.mesh, max_turns=self.max_turns, max_action_tokens=es.action_tokens,
+          mesh=self.mesh, max_turns=self.max_turns, max_action_tokens=es.action_tokens,
           budget_visible=budget_visible, temperature=temperature,
           forced_action=es.programs.oracle if oracle else forced_action)
       traj = jax.device_get(traj)
@@ -303,7 +320,7 @@ class Evaluator:
         seen[id(v)] = {"tokens": np.asarray(v.tokens)[rows], "length": np.asarray(v.length)[rows],
                        "loss_mask": np.asarray(v.loss_mask)[rows]}
       t[k] = seen[id(v)]
-    out = likelihood.cross_likelihood(self.policy.config, t, params,
+    out = likelihood.cross_likelihood(self.model_config, t, params,
                                       temperature=self.e.temperature,
                                       batch_size=self.e.score_batch)
     out["temperature"] = self.e.temperature

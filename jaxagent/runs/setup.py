@@ -26,12 +26,17 @@ from jaxagent.runs.config import ConfigError, DataConfig, EnvConfig
 from jaxagent.sharding import distributed, make_mesh
 
 
-def load_policy(config: ml_collections.ConfigDict) -> Policy:
-  """The config's model (config.model.path, dtypes) on a mesh of the first config.num_devices
-  devices (0: all) with config.mesh's axis sizes. Damaged checkpoint files and non-finite
-  weights raise CheckpointError (config.model.allow_nonfinite_weights: warn instead)."""
+def run_mesh(config: ml_collections.ConfigDict):
+  """The mesh of the first config.num_devices devices (0: all) with config.mesh's axis sizes."""
   devices = jax.devices()[:config.num_devices or None]
-  mesh = make_mesh(dict(config.mesh), devices=devices)
+  return make_mesh(dict(config.mesh), devices=devices)
+
+
+def load_policy(config: ml_collections.ConfigDict) -> Policy:
+  """The config's model (config.model.path, dtypes) on `run_mesh(config)`. Damaged checkpoint
+  files and non-finite weights raise CheckpointError (config.model.allow_nonfinite_weights: warn
+  instead)."""
+  mesh = run_mesh(config)
   return from_pretrained(config.model.path, dtype=config.model.dtype, mesh=mesh,
                          param_dtype=config.model.param_dtype,
                          allow_nonfinite=config.model.allow_nonfinite_weights,
