@@ -181,7 +181,7 @@ def next_actions(fn: Callable[..., NextAction], params, refs: ReferenceStates, k
             for k in out if k != "tokens"} | {"tokens": np.zeros((0, 0), np.int32)}
   sc = sampler.SamplingConfig.make(temperature)
   # Batches are gathered on the host: eager device gathers compiled a program per state leaf
-  # shape (50 of the smoke study's comparison's 160 compiles).
+  # shape (10 of the smoke study's comparison's 160 compiles).
   states = jax.tree.map(
       lambda x: x if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key) else np.asarray(x),
       refs.env_state)
