@@ -265,7 +265,8 @@ class _Batch:
   ref_logprobs: jax.Array | None  # [B, L] float32, or None without a reference
 
 
-def make_update_fn(cfg: LearnerConfig, model_cfg: ModelConfig, optimizer: optax.GradientTransformation,
+def make_update_fn(cfg: LearnerConfig, model_cfg: ModelConfig,
+                   optimizer: optax.GradientTransformation,
                    lora: lora_lib.LoraConfig | None = None):
   """The jitted update `(train_state, trajectory, ref_params_or_None) -> (train_state, metrics)`.
 

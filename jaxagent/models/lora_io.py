@@ -1,9 +1,9 @@
 """Adapters on disk: the base fingerprint their checkpoints carry, PEFT export, merged export.
 
-    meta[BASE_FINGERPRINT_KEY] = base_fingerprint(base)       # saved with each adapter checkpoint
-    check_base(ckpt, base_fingerprint(base))                  # before resuming: IncompatibleCheckpointError
-    export_peft(out_dir, model_cfg, lcfg, adapters)           # adapter_config.json + adapter_model.safetensors
-    export_merged(out_dir, model_cfg, base, adapters, lcfg)   # a full HF checkpoint, W + scale A @ B
+    meta[BASE_FINGERPRINT_KEY] = base_fingerprint(base)   # saved with each adapter checkpoint
+    check_base(ckpt, base_fingerprint(base))              # before resuming; raises on another
+    export_peft(out_dir, model_cfg, lcfg, adapters)       # adapter_config.json + safetensors
+    export_merged(out_dir, model_cfg, base, adapters, lcfg)   # full HF checkpoint, W + s A @ B
 
 PEFT's layout for Qwen2/Qwen3/Llama (`peft.PeftModel.from_pretrained(model, out_dir)`): per layer
 i and target module m, `base_model.model.model.layers.{i}.{self_attn|mlp}.{m}.lora_A.weight`
