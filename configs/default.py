@@ -32,6 +32,11 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # The attention path: "auto" (the CPU kernel only where it measured faster than XLA here),
   # "xla" or "kernel"; "" takes JAXAGENT_CACHE_ATTENTION, else auto. A speed choice only.
   c.model.attention = ""
+  # Low-rank adapters (jaxagent.models.lora): rank 0 = off (full fine-tuning); else only the
+  # adapters on `targets` (comma-separated, of q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,
+  # down_proj) train, scaled by alpha / rank, with dropout on their inputs while training.
+  c.model.lora = ml_collections.ConfigDict(
+      {"rank": 0, "alpha": 16.0, "dropout": 0.0, "targets": "q_proj,k_proj,v_proj,o_proj"})
 
   # Mesh axis sizes; -1 takes the remaining devices.
   c.mesh = ml_collections.ConfigDict({"data": 1, "fsdp": -1, "tensor": 1})

@@ -265,6 +265,11 @@ def run(config: ml_collections.ConfigDict, workdir, *, programs: Programs | None
   workdir = pathlib.Path(workdir)
   workdir.mkdir(parents=True, exist_ok=True)
   cfg = sections.run_config(config)          # every section read and checked, before compute
+  if cfg.model.lora.enabled:
+    raise sections.ConfigError(
+        f"config.model.lora.rank={cfg.model.lora.rank}: launch.train does not train adapters yet "
+        "(issue 40: jaxagent.learners' make_sft_step / make_update_fn do, given a LoraConfig); "
+        "set config.model.lora.rank=0 for full fine-tuning")
   primary = distributed.is_primary()
   with WorkdirLock(workdir, "train", enabled=primary):
     if primary:

@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from jaxagent.models import lora as lora_lib
 from jaxagent.models.config import ModelConfig
 from jaxagent.models.scoring import token_logprobs
 
@@ -27,16 +28,26 @@ def sft_loss(cfg: ModelConfig, params, tokens, length, loss_mask):
   return nll, {"loss": nll, "agent_tokens": jnp.sum(mask), "perplexity": jnp.exp(nll)}
 
 
-def make_sft_step(cfg: ModelConfig, optimizer: optax.GradientTransformation):
+def make_sft_step(cfg: ModelConfig, optimizer: optax.GradientTransformation,
+                  lora: lora_lib.LoraConfig | None = None):
   """Jitted `step(train_state, batch) -> (train_state, metrics)`; the state is donated.
 
-  `batch` is a dict with tokens [B, L] int32, loss_mask [B, L], length [B] int32.
+  `batch` is a dict with tokens [B, L] int32, loss_mask [B, L], length [B] int32. With `lora`
+  enabled the state's params are the adapters only and each call takes the frozen base,
+  `step(state, batch, base)` (read in place, not donated); adapter dropout draws from
+  fold_in(state.key, state.step).
   """
+  adapters_only = lora is not None and lora.enabled
 
   @functools.partial(jax.jit, donate_argnums=(0,))
-  def step(state, batch):
+  def step(state, batch, base=None):
+    if adapters_only != (base is not None):
+      raise ValueError("LoRA SFT takes the frozen base (step(state, batch, base), with adapters "
+                       "as the state's params); full fine-tuning takes no base")
+    key = jax.random.fold_in(state.key, state.step)
+    full = ((lambda p: lora_lib.attach(base, p, lora, key)) if adapters_only else (lambda p: p))
     grad_fn = jax.value_and_grad(
-        lambda p: sft_loss(cfg, p, batch["tokens"], batch["length"], batch["loss_mask"]),
+        lambda p: sft_loss(cfg, full(p), batch["tokens"], batch["length"], batch["loss_mask"]),
         has_aux=True)
     (_, metrics), grads = grad_fn(state.params)
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)

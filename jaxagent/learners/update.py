@@ -30,6 +30,7 @@ from jaxagent.learners import credit
 from jaxagent.learners.advantages import ADVANTAGE_ESTIMATORS, compute_advantages
 from jaxagent.learners.losses import AGGREGATIONS, KL_ESTIMATORS, POLICY_LOSSES, policy_loss
 from jaxagent.learners.rewards import episode_rewards, equal_group_mask
+from jaxagent.models import lora as lora_lib
 from jaxagent.models.config import ModelConfig
 from jaxagent.models.scoring import token_logprobs, token_logprobs_and_entropy
 from jaxagent.rollout.trajectory import Trajectory
@@ -264,8 +265,17 @@ class _Batch:
   ref_logprobs: jax.Array | None  # [B, L] float32, or None without a reference
 
 
-def make_update_fn(cfg: LearnerConfig, model_cfg: ModelConfig, optimizer: optax.GradientTransformation):
+def make_update_fn(cfg: LearnerConfig, model_cfg: ModelConfig,
+                   optimizer: optax.GradientTransformation,
+                   lora: lora_lib.LoraConfig | None = None):
   """The jitted update `(train_state, trajectory, ref_params_or_None) -> (train_state, metrics)`.
+
+  With `lora` enabled (rank > 0) the train state's params are the adapters only
+  (`lora.init_adapters`) and every call takes the frozen base: `update(state, traj, base=base)`;
+  gradients and optimizer state exist for the adapters alone, and the base is read in place,
+  never donated or copied. The KL reference is then the base itself, adapters off (pass no
+  ref_params): RL with LoRA holds one copy of the base. Adapter dropout draws from the state's
+  key per minibatch.
 
   The train state is donated, so ref_params must not share buffers with it (keep the
   reference, train a copy: `init_train_state(jax.tree.map(jnp.copy, params), ...)`).
@@ -284,11 +294,16 @@ def make_update_fn(cfg: LearnerConfig, model_cfg: ModelConfig, optimizer: optax.
   otherwise leave it replicated, and every device would run the whole minibatch.
   """
 
+  adapters_only = lora is not None and lora.enabled
+  # The forward's parameters: the adapters joined to the frozen base, or the params themselves.
+  forward_params = ((lambda p, base, key=None: lora_lib.attach(base, p, lora, key))
+                    if adapters_only else (lambda p, base, key=None: p))
   recompute_behaviour = cfg.behaviour_logprobs == "recompute" or (
       cfg.behaviour_logprobs == "auto" and model_cfg.jnp_dtype != jnp.float32)
 
-  def loss_fn(params, mb: _Batch):
-    logp, entropy = token_logprobs_and_entropy(model_cfg, params, mb.tokens, mb.length,
+  def loss_fn(params, mb: _Batch, base, key):
+    logp, entropy = token_logprobs_and_entropy(model_cfg, forward_params(params, base, key),
+                                               mb.tokens, mb.length,
                                                cfg.temperature, cfg.logprob_chunk)
     loss, metrics = policy_loss(
         logp, mb.behaviour_logprobs, mb.advantages, mb.loss_mask, loss=cfg.loss,
@@ -298,8 +313,14 @@ def make_update_fn(cfg: LearnerConfig, model_cfg: ModelConfig, optimizer: optax.
         episode_weight=mb.weight)
     return loss, dict(metrics, loss=loss)
 
-  def update(state: TrainState, traj: Trajectory, ref_params=None, mesh=None, ref_on_host=False):
+  def update(state: TrainState, traj: Trajectory, ref_params=None, mesh=None, ref_on_host=False,
+             base=None):
     b = traj.batch_size
+    if adapters_only != (base is not None):
+      raise ValueError("LoRA training takes the frozen base (update(state, traj, base=params), "
+                       "with adapters as the state's params); full fine-tuning takes no base")
+    if adapters_only and ref_params is None and cfg.kl_coef != 0:
+      ref_params = base                   # the reference for free: the base, adapters off
     if b % cfg.minibatches:
       raise ValueError(f"batch of {b} episodes is not divisible into {cfg.minibatches} "
                        "minibatches; change learner.minibatches or the batch size")
@@ -340,7 +361,8 @@ def make_update_fn(cfg: LearnerConfig, model_cfg: ModelConfig, optimizer: optax.
     behaviour = traj.behaviour_logprobs
     if recompute_behaviour:        # the same forward as the loss's, before any step
       behaviour = jax.lax.stop_gradient(token_logprobs(
-          model_cfg, state.params, traj.tokens, traj.length, cfg.temperature, cfg.logprob_chunk))
+          model_cfg, forward_params(state.params, base), traj.tokens, traj.length,
+          cfg.temperature, cfg.logprob_chunk))
       mask = traj.loss_mask.astype(jnp.float32)
       extra_metrics["behaviour_logprob_gap"] = jnp.sum(
           jnp.abs(behaviour - traj.behaviour_logprobs) * mask) / jnp.maximum(jnp.sum(mask), 1)
@@ -351,20 +373,23 @@ def make_update_fn(cfg: LearnerConfig, model_cfg: ModelConfig, optimizer: optax.
     key, perm_key = jax.random.split(state.key)
     mb_size = b // cfg.minibatches
 
-    def minibatch_step(carry, idx):                      # idx [mb_size] episode rows
+    def minibatch_step(carry, idx_key):                  # idx [mb_size] episode rows
       params, opt_state = carry
+      idx, drop_key = idx_key
       mb = jax.tree.map(lambda x: x[idx], batch)
       if mesh is not None:
         mb = jax.tree.map(lambda x: jax.lax.with_sharding_constraint(
             x, batch_sharding(mesh, x.ndim, mb_size)), mb)
-      (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, mb)
+      (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, mb, base,
+                                                                       drop_key)
       metrics["grad_norm"] = optax.tree.norm(grads)
       updates, opt_state = optimizer.update(grads, opt_state, params)
       return (optax.apply_updates(params, updates), opt_state), metrics
 
     def epoch(carry, ekey):
       perm = jax.random.permutation(ekey, b).reshape(cfg.minibatches, mb_size)
-      return jax.lax.scan(minibatch_step, carry, perm)
+      drop_keys = jax.random.split(jax.random.fold_in(ekey, 1), cfg.minibatches)
+      return jax.lax.scan(minibatch_step, carry, (perm, drop_keys))
 
     (params, opt_state), metrics = jax.lax.scan(
         epoch, (state.params, state.opt_state), jax.random.split(perm_key, cfg.epochs))
@@ -416,17 +441,17 @@ class _MeshUpdate:
   def __init__(self, jitted):
     self._jitted = jitted
 
-  def _args(self, state, traj, ref_params=None):
-    return (state, traj, ref_params, _mesh_of(traj.tokens, state.params),
-            on_host(ref_params))
+  def _args(self, state, traj, ref_params=None, base=None):
+    return (state, traj, ref_params, _mesh_of(traj.tokens, state.params, base),
+            on_host(ref_params), base)
 
-  def __call__(self, state: TrainState, traj: Trajectory, ref_params=None):
-    args = self._args(state, traj, ref_params)
+  def __call__(self, state: TrainState, traj: Trajectory, ref_params=None, base=None):
+    args = self._args(state, traj, ref_params, base)
     with mesh_context(args[3]):          # the decoder keeps activations split over the batch
       return self._jitted(*args)
 
-  def lower(self, state: TrainState, traj: Trajectory, ref_params=None):
-    args = self._args(state, traj, ref_params)
+  def lower(self, state: TrainState, traj: Trajectory, ref_params=None, base=None):
+    args = self._args(state, traj, ref_params, base)
     with mesh_context(args[3]):
       return self._jitted.lower(*args)
 

@@ -29,7 +29,7 @@ import numpy as np
 from flax import nnx, struct
 
 from jaxagent.kernels import cpu
-from jaxagent.models import attention
+from jaxagent.models import attention, lora
 from jaxagent.models.attention import CACHE_BLOCK, QUERY_BLOCK
 from jaxagent.models.config import ModelConfig
 from jaxagent.sharding.mesh import constrain_batch
@@ -181,7 +181,8 @@ def for_decode(cfg: ModelConfig, params: dict) -> dict:
   if not attention.use_kernel(cfg.attention, q, cache, cache) or \
       isinstance(params["layers"], (list, tuple)):
     return params
-  return unstack_layers({**params, "layers": _fused(params["layers"])})
+  # Adapters (`lora.attach`) are merged into the weights once here: W + scale * A @ B.
+  return unstack_layers({**params, "layers": _fused(lora.merge(params)["layers"])})
 
 
 def _fused(layers: dict) -> dict:
@@ -221,6 +222,8 @@ def _layer(cfg: ModelConfig, x_bld, p, cos, sin, mask_bls, cache=None, layer=Non
   """
   dt = cfg.jnp_dtype
   w = lambda name: p[name].astype(dt)
+  # a @ W over a's last n dims, plus a LoRA delta where `p` carries one (`lora.attach`).
+  proj = lambda a, name, n: lora.project(p, name, a, n, _proj(a, w(name), n, small))
   # A kernel step's few rows (x [B, L, D]) go through the kernel's products too (`_proj`).
   small = write and x_bld.shape[0] * x_bld.shape[1] <= SMALL_MATMUL_ROWS
   h = rms_norm(x_bld, p["attn_norm"], cfg.rms_norm_eps)
@@ -234,9 +237,7 @@ def _layer(cfg: ModelConfig, x_bld, p, cos, sin, mask_bls, cache=None, layer=Non
     k = qkv[..., nq:nq + nk].reshape(*lead, cfg.num_kv_heads, hd)
     v = qkv[..., nq + nk:].reshape(*lead, cfg.num_kv_heads, hd)
   else:
-    q = _proj(h, w("q_proj"), 1, small)
-    k = _proj(h, w("k_proj"), 1, small)
-    v = _proj(h, w("v_proj"), 1, small)
+    q, k, v = proj(h, "q_proj", 1), proj(h, "k_proj", 1), proj(h, "v_proj", 1)
     if cfg.qkv_bias:
       q, k, v = q + w("q_bias"), k + w("k_bias"), v + w("v_bias")
   if cfg.qk_norm:
@@ -258,14 +259,14 @@ def _layer(cfg: ModelConfig, x_bld, p, cos, sin, mask_bls, cache=None, layer=Non
     attn = attention.cache_attention(cfg.attention, q, cache.k, cache.v, layer, cache.length,
                                      scores, v, cache_block)
   attn = attn.transpose(0, 3, 1, 2, 4).reshape(b, l, nh, hd)
-  x_bld = x_bld + _proj(attn, w("o_proj"), 2, small)
+  x_bld = x_bld + proj(attn, "o_proj", 2)
   h = rms_norm(x_bld, p["mlp_norm"], cfg.rms_norm_eps)
   if "gate_up_proj" in p:                   # fused (`for_decode`); inference only
     gate, up = jnp.split(_proj(h, w("gate_up_proj"), 1, small), 2, axis=-1)
     x_bld = x_bld + _proj(jax.nn.silu(gate) * up, w("down_proj"), 1, small)
-  elif small:
-    gate, up = _proj(h, w("gate_proj"), 1, True), _proj(h, w("up_proj"), 1, True)
-    x_bld = x_bld + _proj(jax.nn.silu(gate) * up, w("down_proj"), 1, True)
+  elif small or lora.adapted(p, lora.MLP_TARGETS):     # swiglu's own gradient has no adapters
+    gate, up = proj(h, "gate_proj", 1), proj(h, "up_proj", 1)
+    x_bld = x_bld + proj(jax.nn.silu(gate) * up, "down_proj", 1)
   else:
     x_bld = x_bld + swiglu(h, w("gate_proj"), w("up_proj"), w("down_proj"))
   return x_bld, k, v

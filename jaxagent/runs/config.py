@@ -36,6 +36,7 @@ import ml_collections
 import jaxagent.envs as envs
 from jaxagent.learners.update import LearnerConfig
 from jaxagent.models.config import ATTENTION_ENV, ATTENTIONS
+from jaxagent.models.lora import LoraConfig
 from jaxagent.rollout.budget import PER_MODES, Budget, BudgetSpecError
 
 EVAL_MODES = ("truncation", "rerun")
@@ -421,6 +422,7 @@ class ModelSection:
   init_from: str
   allow_nonfinite_weights: bool
   attention: str
+  lora: LoraConfig               # from config.model.lora; rank 0 = off
 
   def __post_init__(self):
     _require(self.attention in ("",) + ATTENTIONS,
@@ -554,7 +556,26 @@ SECTIONS = ("model", "mesh", "env", "data", "sft", "rl", "study", "eval", "guard
 
 
 def model_config(config) -> ModelSection:
-  return _read(ModelSection, _section(config, "model"), "model")
+  return _read(ModelSection, _section(config, "model"), "model",
+               convert={"lora": _Convert(_SECTION, lambda s, _: _lora(s))})
+
+
+def _lora(section) -> LoraConfig:
+  """config.model.lora as a LoraConfig: targets a comma-separated string of projection names
+  (the rank's bound, the matrices' sizes, is checked when the model is known: `check`)."""
+  fields = {"rank": int, "alpha": float, "dropout": float, "targets": str}
+  items = dict(section.items())
+  reject_unknown(items, list(fields), "model.lora")
+  values = {}
+  for key, kind in fields.items():
+    if key not in items:
+      raise ConfigError(f"config.model.lora.{key} is missing; add it to the config ({_DEFAULTS})")
+    values[key] = _check("model.lora", key, items[key], kind)
+  values["targets"] = tuple(t.strip() for t in values["targets"].split(",") if t.strip())
+  try:
+    return LoraConfig(**values)
+  except ValueError as e:
+    raise ConfigError(str(e)) from None
 
 
 def data_config(config) -> DataConfig:

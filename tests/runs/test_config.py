@@ -254,3 +254,23 @@ def test_run_config_holds_every_typed_section():
     c.env.name = "chess"
   with pytest.raises(ConfigError, match="config.env.name='chess' is not an environment"):
     rc.run_config(c)
+
+
+def test_lora_section():
+  from jaxagent.models.lora import LoraConfig
+  assert rc.model_config(default.get_config()).lora == LoraConfig(
+      rank=0, alpha=16.0, dropout=0.0, targets=("q_proj", "k_proj", "v_proj", "o_proj"))
+  c = default.get_config()
+  c.model.lora.rank, c.model.lora.targets = 8, "q_proj, v_proj,down_proj"
+  assert rc.model_config(c).lora.targets == ("q_proj", "v_proj", "down_proj")
+  assert rc.model_config(c).lora.scale == 2.0
+  _bad(lambda c: setattr(c.model.lora, "rank", -2), r"config\.model\.lora\.rank must be 0")
+  _bad(lambda c: setattr(c.model.lora, "alpha", -1.0), r"config\.model\.lora\.alpha must be > 0")
+  _bad(lambda c: setattr(c.model.lora, "dropout", 1.0),
+       r"config\.model\.lora\.dropout must be in \[0, 1\)")
+  _bad(lambda c: setattr(c.model.lora, "targets", "q_proj,query"),
+       r"config\.model\.lora\.targets='q_proj,query': unknown \['query'\]; valid names: q_proj, "
+       r"k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj")
+  _bad(lambda c: setattr(c.model.lora, "ranks", 4),
+       r"config\.model\.lora: unknown key.*did you mean config\.model\.lora\.rank")
+  _bad(lambda c: delattr(c.model.lora, "alpha"), r"config\.model\.lora\.alpha is missing")
