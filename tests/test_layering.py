@@ -9,7 +9,7 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[1] / "jaxagent"
 # Bottom to top, in the direction data flows.
 LAYERS = ("sharding", "kernels", "models", "checkpoint", "envs", "data", "rollout", "learners",
-          "runs", "train", "eval", "study", "planning")
+          "runs", "train", "eval", "study", "planning", "bench")
 
 
 def _layer(module: str) -> int:

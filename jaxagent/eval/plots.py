@@ -16,7 +16,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
 
-def _save(fig, path) -> str:
+def save(fig, path) -> str:
+  """Writes `fig` to `path` as a PNG (its folder made where missing), closes it; the path."""
   path = pathlib.Path(path)
   path.parent.mkdir(parents=True, exist_ok=True)
   fig.tight_layout()
@@ -42,7 +43,7 @@ def pass_heatmap(grid: dict, path, title: str = "Pass@(K,T)") -> str:
                 color="white" if mean[i, j] < 0.5 else "black")
   fig.colorbar(im, ax=ax)
   ax.set_title(title)
-  return _save(fig, path)
+  return save(fig, path)
 
 
 def pass_curves(grid: dict, ks: Sequence[int], path, title: str = "Pass@(K,T) vs T") -> str:
@@ -60,7 +61,7 @@ def pass_curves(grid: dict, ks: Sequence[int], path, title: str = "Pass@(K,T) vs
   ax.set_ylim(-0.02, 1.02)
   ax.legend()
   ax.set_title(title)
-  return _save(fig, path)
+  return save(fig, path)
 
 
 def pass_curves_runs(grids: dict[str, dict], k: int, path, title: str | None = None) -> str:
@@ -79,7 +80,7 @@ def pass_curves_runs(grids: dict[str, dict], k: int, path, title: str | None = N
   ax.set_ylim(-0.02, 1.02)
   ax.legend()
   ax.set_title(title or f"Pass@({k},T) by run")
-  return _save(fig, path)
+  return save(fig, path)
 
 
 def rate_bars(data: dict[str, dict[str, dict]], path, title: str, ylabel: str = "rate") -> str:
@@ -106,7 +107,7 @@ def rate_bars(data: dict[str, dict[str, dict]], path, title: str, ylabel: str = 
   ax.set_ylabel(ylabel)
   ax.legend(fontsize=8)
   ax.set_title(title)
-  return _save(fig, path)
+  return save(fig, path)
 
 
 def matrix(values, rows: Sequence[str], cols: Sequence[str], path, title: str,
@@ -125,4 +126,4 @@ def matrix(values, rows: Sequence[str], cols: Sequence[str], path, title: str,
         ax.text(j, i, f"{v[i, j]:.3g}", ha="center", va="center", fontsize=8, color="cyan")
   fig.colorbar(im, ax=ax)
   ax.set_title(title)
-  return _save(fig, path)
+  return save(fig, path)

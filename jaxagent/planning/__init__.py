@@ -1,6 +1,7 @@
-"""Planning: what a run will cost before it runs. The top layer of the library: one planning
+"""Planning: what a run will cost before it runs. Near the top of the library: one planning
 module above what it measures, importing the models, learners, rollout and sharding code it
-accounts for; nothing in jaxagent imports it (launch scripts and tests do).
+accounts for; only the benchmark (jaxagent.bench, which measures what this accounts) imports it
+in jaxagent (launch scripts and tests do too).
 
   memory  bytes per device of an RL step (params, optimizer, KV cache, activations) on a mesh
   flops   model FLOPs of forward passes and updates; the bandwidth bound of decoding

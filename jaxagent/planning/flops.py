@@ -1,7 +1,7 @@
 """FLOP and byte accounting of the decoder: model FLOPs of forward passes and updates, and the
 memory-bandwidth bound of decoding. Pure arithmetic on a ModelConfig and token counts; the
 measurements these are compared with (peak FLOP/s, read bandwidth, timed rollouts and updates)
-are `launch/benchmark.py`'s.
+are `jaxagent.bench`'s.
 
     counts = flops.param_counts(cfg, params)           # {"total": ..., "matmul": ...}
     fwd = flops.forward_flops(cfg, counts, lengths)    # lengths [B]: real tokens per sequence

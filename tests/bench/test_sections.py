@@ -1,5 +1,8 @@
-"""The benchmark's own parts: the random-weight policy it measures and how it adds the machine's
-limits to its results (the accounting itself is tests/planning/test_flops.py's)."""
+"""The benchmark's sections one at a time (jaxagent.bench's modules): the random-weight policy it
+measures, how it adds the machine's limits to its results (the accounting itself is
+tests/planning/test_flops.py's), credit's interleaved timing, the rollout's pieces, and the
+markdown rendered from given results. The peers' section runs in test_benchmark.py's end-to-end
+run."""
 
 import dataclasses
 import types
@@ -8,8 +11,11 @@ import jax
 import numpy as np
 import pytest
 
+import jaxagent.envs as envs
+from jaxagent.bench import decode, machine, models, pieces, report, rollouts, update
+from jaxagent.learners.update import LearnerConfig
+from jaxagent.models import from_pretrained
 from jaxagent.models.config import ModelConfig
-from launch import benchmark
 
 CFG = ModelConfig(
     model_type="qwen2", vocab_size=10, hidden_size=8, intermediate_size=12, num_layers=2,
@@ -21,7 +27,7 @@ def test_random_policy_sizes():
   class Base:
     config = CFG
     tokenizer = None
-  big = benchmark.random_policy(Base, hidden_size=16, num_layers=3, dtype="bfloat16")
+  big = models.random_policy(Base, hidden_size=16, num_layers=3, dtype="bfloat16")
   assert big.config.num_layers == 3 and big.config.vocab_size == 10
   leaves = jax.tree.leaves(big.params)
   assert all(x.dtype == np.dtype("bfloat16") for x in leaves)
@@ -36,14 +42,14 @@ def test_with_limits_adds_mfu_and_bound():
   sec = lambda: {"update": {"model_flops_per_s": 50.0},
                  "decode": {"tokens": 100, "seconds": 2.0, "bound_bytes": 300.0}}
   res = {**sec(), "big": sec()}
-  benchmark.with_limits(res, peak=200.0, bandwidth=100.0)
+  report.with_limits(res, peak=200.0, bandwidth=100.0)
   for s in (res, res["big"]):
     assert s["update"]["mfu"] == 0.25
     assert s["decode"]["bound_seconds"] == pytest.approx(3.0)
     assert s["decode"]["bound_tokens_per_s"] == pytest.approx(100 / 3)
     assert s["decode"]["fraction_of_bound"] == pytest.approx(1.5)
   no_big = {**sec(), "big": None}
-  benchmark.with_limits(no_big, peak=200.0, bandwidth=100.0)
+  report.with_limits(no_big, peak=200.0, bandwidth=100.0)
   assert no_big["update"]["mfu"] == 0.25 and no_big["big"] is None
 
 
@@ -54,16 +60,15 @@ def test_credit_overhead_interleaves_and_reports_ratios(monkeypatch):
   calls = []
   cost = {"grpo": [0.010] * 5, "gigpo": [0.011] * 5, "per_turn": [0.010, 0.010, 0.5, 0.010, 0.010]}
 
-  def fake_runner(policy, traj, advantage=None):
+  def fake_runner(policy, traj, learner, advantage=None):
     def run():
       calls.append(advantage)
       clock["now"] += cost[advantage][sum(c == advantage for c in calls) - 1]
       return {"anchor_group_size": np.float32(2.5)} if advantage == "gigpo" else {}
     return run, None, traj, None
 
-  monkeypatch.setattr(benchmark, "_update_runner", fake_runner)
-  monkeypatch.setattr(benchmark, "time", types.SimpleNamespace(perf_counter=lambda: clock["now"]))
-  out = benchmark.credit_overhead(None, None, repeats=3)
+  monkeypatch.setattr(update, "time", types.SimpleNamespace(perf_counter=lambda: clock["now"]))
+  out = update.credit_overhead(None, None, LearnerConfig(), repeats=3, runner=fake_runner)
   # One untimed round, then three interleaved timed rounds (gigpo's metrics from its last one).
   assert calls == ["grpo", "gigpo", "per_turn"] * 4
   assert out["repeats"] == 3 and out["grpo"]["overhead"] == 0.0
@@ -93,10 +98,10 @@ def test_markdown_has_the_smollm2_rows():
          "smollm2": {"dtype": "float32", "params": 134_515_008, "episodes": 8, "turns": 2,
                      "rollout": row(4.0), **_section(update_flops_per_s=100.0,
                                                      decode_seconds=6.0)}}
-  benchmark.with_limits(res, peak=200.0, bandwidth=100.0)
+  report.with_limits(res, peak=200.0, bandwidth=100.0)
   assert res["smollm2"]["update"]["mfu"] == 0.5
   assert res["smollm2"]["decode"]["fraction_of_bound"] == pytest.approx(0.5)
-  md = benchmark.markdown(res)
+  md = report.markdown(res)
   assert "| SmolLM2-135M update tokens/s, MFU | 400, 50.0% of peak" in md
   assert "| SmolLM2-135M decode tokens/s (bound) | 17 (33: 50% of it) |" in md
   assert "SmolLM2-135M model: 134,515,008 parameters (float32)" in md
@@ -106,12 +111,10 @@ def test_markdown_has_the_smollm2_rows():
 
 @pytest.fixture(scope="module")
 def micro_rollout():
-  import jaxagent.envs as envs
-  from jaxagent.models import from_pretrained
   policy = from_pretrained("builtin:micro")
   env = envs.make("lookup", policy.tokenizer)
   tasks = jax.vmap(env.sample_task)(jax.random.split(jax.random.key(0), 2))
-  _, traj = benchmark._timed(benchmark._rollout_fn(policy, env, tasks, 3, 3), 0)
+  _, traj = machine.timed(rollouts.rollout_fn(policy, env, tasks, 3, 3), 0)
   return policy, env, tasks, traj
 
 
@@ -121,33 +124,21 @@ def test_rollout_pieces_cover_the_transcript(micro_rollout, monkeypatch):
   every transcript token."""
   policy, env, tasks, traj = micro_rollout
   t = jax.device_get(traj)
-  pre = benchmark.observation_prefill_only(policy, traj, 1)
+  pre = pieces.observation_prefill_only(policy, traj, 1)
   first = np.array([t.turn_start[b, 0] for b in range(t.length.shape[0])])
   assert pre["tokens"] > 0 and pre["seconds"] > 0
   assert first.sum() + t.action_length.sum() + pre["tokens"] == t.length.sum()
-  assert benchmark.env_steps_only(env, tasks, 3, traj, 1)["seconds"] > 0
-  prof = benchmark.decode_step_profile(policy, 4, 100, steps=2, repeats=1)
+  assert pieces.env_steps_only(env, tasks, 3, traj, 1)["seconds"] > 0
+  prof = decode.decode_step_profile(policy, 4, 100, steps=2, repeats=1)
   assert prof["cache_attention_ms"] == pytest.approx(
       prof["step_ms"] - prof["step_without_cache_attention_ms"])
   cfg = policy.config
   assert prof["kv_bytes"] == 2 * cfg.num_layers * 4 * cfg.num_kv_heads * 100 * cfg.head_dim * 4
   assert min(prof[k] for k in prof if k.endswith("_ms") and k != "cache_attention_ms") > 0
   assert prof["step_path"] == "xla blocks" and "step_xla_blocks_ms" not in prof   # 8 devices
-  prof = benchmark.decode_step_profile(benchmark.with_attention(policy, "kernel"), 4, 100,
-                                      steps=2, repeats=1)      # the kernel, and XLA beside it
+  prof = decode.decode_step_profile(rollouts.with_attention(policy, "kernel"), 4, 100,
+                                   steps=2, repeats=1)      # the kernel, and XLA beside it
   assert prof["step_path"] == "kernel" and prof["step_xla_blocks_ms"] > 0
-
-
-def test_peer_section_runs_both_systems_on_the_same_weights(tmp_path):
-  """The transformers generate loop and the jitted rollout on one exported model: the same
-  logits, every episode run by both (a small version of the peers' workload)."""
-  from jaxagent.models import from_pretrained
-  out = benchmark.peer_section(from_pretrained("builtin:micro"), 1, tmp_path, episodes=4,
-                               turns=2)
-  assert out["logits_max_abs_diff"] < 1e-4
-  assert out["jax"]["generated_tokens"] > 0 and out["hf"]["generated_tokens"] > 0
-  assert out["speedup"] == pytest.approx(out["hf"]["seconds"] / out["jax"]["seconds"])
-  assert (tmp_path / "peer_qwen2" / "config.json").is_file()
 
 
 def test_markdown_has_the_breakdown_and_peer_rows():
@@ -164,15 +155,16 @@ def test_markdown_has_the_breakdown_and_peer_rows():
          "breakdown": {"observation_prefill": {"seconds": 0.5}, "environment": {"seconds": 0.1},
                        "decode_step": prof},
          "peers": {"params": 972_928, "episodes": 64, "turns": 8, "tokens_per_turn": 16,
-                   "logits_max_abs_diff": 1e-6, "torch_threads": 2, "speedup": 4.0,
+                   "hops": 4, "logits_max_abs_diff": 1e-6, "torch_threads": 2, "speedup": 4.0,
                    "jax": row(2.0), "jax_xla_attention": row(4.0), "hf": row(8.0)}}
   res["decode"]["first_prefill_seconds"] = 0.5
-  benchmark.with_limits(res, peak=200.0, bandwidth=40e9)
-  md = benchmark.markdown(res)
+  report.with_limits(res, peak=200.0, bandwidth=40e9)
+  md = report.markdown(res)
   assert "| first observation's prefill only | 0.50 | | | 0.17x |" in md
   # 3.0 s of rollout over 2.0 s of decode + 0.5 s of each prefill.
   assert "| jax rollout time / (decode + both prefills) time | 1.00 | <= 1.5 |" in md
-  assert "| peers' workload: jax rollout vs the transformers generate loop (episodes/s) | 4.0x" in md
+  assert ("| peers' workload: jax rollout vs the transformers generate loop (episodes/s) | "
+          "4.0x") in md
   assert ("| builtin:micro | 64 x 700 | 2.00 (kernel) | 4.00 | 3.00 | 0.50 | 1.50 | 0.10 | "
           "1.00 |") in md
   assert "| jax_xla_attention | 4.50 | 1.8 | 18 | 1.50x |" in md
