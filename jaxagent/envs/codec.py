@@ -52,6 +52,9 @@ INVALID_BYTE = 0xFF
 #   tool calls (a reasoning preamble would not fit the action budget of a few dozen tokens).
 TEMPLATE_KWARGS = {"date_string": "26 Jul 2024", "enable_thinking": False}
 
+# Entries `encode_text` caches before starting over (tool output is unbounded).
+_TEXT_CACHE_SIZE = 65_536
+
 # Placeholders rendered through the chat template and split on (no template touches them).
 _PH = {r: f"@@JAXAGENT_{r.upper()}_PLACEHOLDER@@" for r in ("system", "user", "assistant", "obs")}
 
@@ -269,6 +272,10 @@ class TextCodec:
     self.token_nbytes = token_nbytes
     self.vocab_size = token_bytes.shape[0]
     self._encode_cache: dict[str, np.ndarray] = {}
+    self._text_cache: dict[str, np.ndarray] = {}
+    # Control tokens (special added tokens): plain text (`encode_text`) never yields one.
+    self._control_ids = frozenset(
+        int(i) for i, t in hf_tokenizer.added_tokens_decoder.items() if t.special)
     pad = hf_tokenizer.pad_token_id
     self.pad_id = int(pad if pad is not None else (hf_tokenizer.eos_token_id or 0))
     self._build_chat()
@@ -351,12 +358,34 @@ class TextCodec:
   # ---- text -> tokens (host) ----------------------------------------------------------------
 
   def encode(self, text: str) -> np.ndarray:
-    """Host: the token ids of `text` (no special tokens added; special-token text is matched).
-    Returns np.int32 [n]."""
+    """Host: the token ids of trusted `text` (the template's and environments' own strings; no
+    special tokens added; special-token text is matched, so chat wrapping encodes as control
+    tokens). Untrusted text (tool output) goes through `encode_text`. Returns np.int32 [n]."""
     ids = self._encode_cache.get(text)
     if ids is None:
       ids = np.asarray(self.tokenizer.encode(text, add_special_tokens=False), np.int32).reshape(-1)
       self._encode_cache[text] = ids
+    return ids
+
+  def encode_text(self, text: str) -> np.ndarray:
+    """Host: the token ids of untrusted `text` (a tool's output, a task's string) as plain text:
+    special-token strings in it (`<|im_end|>`, `<|eot_id|>`, ...) become their ordinary byte
+    tokens, never control tokens, so a tool cannot write a chat turn. Returns np.int32 [n].
+
+    Raises RuntimeError when the tokenizer ignores `split_special_tokens` (a control token would
+    reach the transcript)."""
+    ids = self._text_cache.get(text)
+    if ids is None:
+      ids = np.asarray(self.tokenizer.encode(text, add_special_tokens=False,
+                                             split_special_tokens=True), np.int32).reshape(-1)
+      if self._control_ids and not self._control_ids.isdisjoint(ids.tolist()):
+        raise RuntimeError(
+            f"{type(self.tokenizer).__name__} encoded special-token text in {text[:60]!r} as "
+            "control tokens despite split_special_tokens=True; use a tokenizers-backed "
+            "(fast) tokenizer")
+      if len(self._text_cache) >= _TEXT_CACHE_SIZE:   # tool output varies: keep the cache bounded
+        self._text_cache.clear()
+      self._text_cache[text] = ids
     return ids
 
   def fragment(self, text: str) -> Piece:

@@ -19,7 +19,9 @@ What the adapter (`HostEnv`) does, the same way as the JAX environments (`common
     otherwise the episode gets the parsed call (`parse_call_text`, the Python twin of
     `common.parse_call`);
   * the episode returns its observation body as a list of text *pieces*; the adapter tokenises
-    each piece on its own (`codec.encode`, cached) and concatenates, adds the budget suffix
+    each piece on its own as plain text (`codec.encode_text`, cached: special-token strings such
+    as "<|im_end|>" in a tool's output stay text, so a tool cannot forge a chat turn) and
+    concatenates, adds the budget suffix
     ("\\nTurns left: k.") and the chat wrapping, and pads to `max_obs_len`. A host tool whose pieces
     are a JAX env's fragments therefore gives token-identical observations (`HostLookupEnv` does,
     and the tests check it against `LookupEnv`);
@@ -117,7 +119,9 @@ class HostEnv:
     self.max_step_obs_len = max_obs_len if max_step_obs_len is None else max_step_obs_len
 
   def _frags(self, texts: list[str]) -> list[np.ndarray]:
-    return [self.codec.encode(t) for t in texts]
+    # An episode's texts are untrusted (a tool echoes arguments, a database's values, a file):
+    # plain text, so special-token strings in them never become control tokens.
+    return [self.codec.encode_text(t) for t in texts]
 
   def _pad(self, rows: list[np.ndarray], n: int) -> TokenBuffer:
     tokens = np.full((len(rows), n), self.codec.pad_id, np.int32)
@@ -139,7 +143,7 @@ class HostEnv:
       system, user = ep.prompt()
       user_tokens = self._frags(user) + common.budget_intro_host(self.codec, int(bud))
       rows.append(concat_host(self.codec.prompt(
-          [self.codec.fragment(t) for t in system], [TokenBuffer(u, np.int32(len(u))) for u in user_tokens])))
+          [_buf(t) for t in self._frags(system)], [_buf(u) for u in user_tokens])))
     state = HostState(episodes=episodes, turn=np.zeros((b,), np.int32), budget=budget,
                       done=np.zeros((b,), bool))
     return state, self._pad(rows, self.max_obs_len)
@@ -178,6 +182,10 @@ class HostEnv:
   def oracle_action(self, state: HostState) -> TokenBuffer:
     """The expert's next action of every episode, tokenised piece by piece: tokens [B, A]."""
     return self._pad([concat_host(self._frags(ep.oracle())) for ep in state.episodes], self.max_action_len)
+
+
+def _buf(tokens: np.ndarray) -> TokenBuffer:
+  return TokenBuffer(tokens, np.int32(len(tokens)))
 
 
 # ---- the example tool: lookup over a Python dict knowledge base ------------------------------
