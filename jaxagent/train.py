@@ -256,8 +256,12 @@ def run(config: ml_collections.ConfigDict, workdir, *, programs: Programs | None
   trainer holds the workdir), FloatingPointError / DivergenceError (the run stopped learning).
   """
   workdir = pathlib.Path(workdir)
-  workdir.mkdir(parents=True, exist_ok=True)
+  if workdir.exists() and not workdir.is_dir():
+    raise sections.ConfigError(f"--workdir={workdir} is an existing file, not a directory; pass "
+                               "a directory (it is created if missing)")
   sections.validate(config)
+  setup.preflight(config)          # before anything is computed or pinned
+  workdir.mkdir(parents=True, exist_ok=True)
   primary = distributed.is_primary()
   with WorkdirLock(workdir, "train", enabled=primary):
     if primary:

@@ -62,3 +62,51 @@ def test_evaluate_on_a_mistyped_workdir_creates_nothing(tmp_path):
     with pytest.raises(FileNotFoundError, match="no checkpoints/ directory"):
       fn(get_config("smoke"), w)
   assert not w.exists()
+
+
+# ---- the cheap validations ------------------------------------------------------------------
+
+
+def _smoke(**overrides):
+  c = get_config("smoke")
+  c.num_devices = 1
+  for k, v in overrides.items():
+    section, _, key = k.rpartition(".")
+    (c[section] if section else c)[key] = v
+  return c
+
+
+@pytest.mark.parametrize("overrides,message", [
+    ({"rl.budget": "fixed:400"}, r"config\.rl\.budget.*a rollout of 400 turns needs"),
+    ({"model.path": "builtin:tinyy"}, r"unknown built-in model 'builtin:tinyy'"),
+    ({"num_devices": 99}, r"config\.num_devices=99, but this process sees 8 device"),
+    ({"rl.temperature": 0.0}, r"config\.rl\.temperature=0\.0: RL needs sampled episodes"),
+])
+def test_bad_configs_fail_before_compute_and_are_not_pinned(tmp_path, overrides, message):
+  from jaxagent import train
+  w = tmp_path / "run"
+  with pytest.raises(Exception, match=message):
+    train.run(_smoke(**overrides), w)
+  assert not (w / CONFIG_FILE).exists()     # the corrected rerun is not refused as a change
+  assert not (w / "data").exists()           # nothing was built (SFT data, demos)
+
+
+def test_a_workdir_that_is_a_file_is_named(tmp_path):
+  from jaxagent import train
+  f = tmp_path / "run.txt"
+  f.write_text("not a directory")
+  with pytest.raises(ConfigError, match=r"is an existing file, not a directory"):
+    train.run(_smoke(), f)
+
+
+def test_sampling_parameters_are_checked():
+  import math
+  from jaxagent.models.sampler import SamplingConfig
+  SamplingConfig.make(0.0, 0, 1.0)             # greedy, no truncation: fine
+  SamplingConfig.make(0.7, 5, 0.9)
+  for kw, msg in [(dict(temperature=-0.5), "temperature=-0.5"),
+                  (dict(temperature=math.nan), "temperature=nan"),
+                  (dict(top_p=0.0), "top_p=0.0"), (dict(top_p=1.5), "top_p=1.5"),
+                  (dict(top_p=math.nan), "top_p=nan"), (dict(top_k=-1), "top_k=-1")]:
+    with pytest.raises(ValueError, match=msg):
+      SamplingConfig.make(**kw)
