@@ -400,7 +400,8 @@ class TextCodec:
     """Host: `encode_text(text)` if it fits `max_tokens`, else the longest prefix *of the text*
     (whole characters) whose plain-text tokens plus `TRUNCATION_MARKER`'s fit, then the marker.
     Returns np.int32 [<= max_tokens] (only the marker when not even that fits)."""
-    ids = self.encode_text(text) if len(text) <= 4 * max_tokens * self.token_bytes.shape[1] else None
+    short = len(text) <= 4 * max_tokens * self.token_bytes.shape[1]   # else it cannot fit
+    ids = self.encode_text(text) if short else None
     if ids is not None and ids.shape[0] <= max_tokens:
       return ids
     marker = self.encode(TRUNCATION_MARKER)

@@ -21,13 +21,14 @@ What the adapter (`HostEnv`) does, the same way as the JAX environments (`common
   * the episode returns its observation body as a list of text *pieces*; the adapter tokenises
     each piece on its own as plain text (`codec.encode_text`, cached: special-token strings such
     as "<|im_end|>" in a tool's output stay text, so a tool cannot forge a chat turn) and
-    concatenates, adds the budget suffix
-    ("\\nTurns left: k.") and the chat wrapping, and pads to `max_obs_len`. A body too long
-    for `max_step_obs_len` is cut *as text* (`codec.fit_text`: a prefix of the text, then
-    `TRUNCATION_MARKER`), the budget suffix and wrapping kept whole, and the step's
-    `info.obs_truncated` is set (the rollout counts it); a prompt over `max_obs_len` is an error. A host tool whose pieces
-    are a JAX env's fragments therefore gives token-identical observations (`HostLookupEnv` does,
-    and the tests check it against `LookupEnv`);
+    concatenates, adds the budget suffix ("\\nTurns left: k.") and the chat wrapping, and pads
+    to `max_obs_len`. A host tool whose pieces are a JAX env's fragments therefore gives
+    token-identical observations (`HostLookupEnv` does, and the tests check it against
+    `LookupEnv`);
+  * a body too long for `max_step_obs_len` is cut *as text* (`codec.fit_text`: a prefix of the
+    text, then `TRUNCATION_MARKER`), the budget suffix and the wrapping kept whole, and the
+    step's `info.obs_truncated` is set (the rollout counts it); a prompt over `max_obs_len` is
+    an error naming it;
   * counting turns and no-op steps after done (a spent budget is shown, not enforced: the rollout
     engine ends the episode).
 

@@ -260,7 +260,8 @@ def _checked_sizes(f: GGUFFile, arch: str, need) -> dict:
                 f"it must divide embedding_length = {d} (the file gives no key_length)")
     source, head_dim = "attention.head_count", d // heads
   if head_dim % 2:
-    raise bad(source, heads if source == "attention.head_count" else head_dim, "a head dimension must be even (RoPE pairs)")
+    raise bad(source, heads if source == "attention.head_count" else head_dim,
+              "a head dimension must be even (RoPE pairs)")
   out["head_dim"] = head_dim
   return out
 

@@ -125,7 +125,7 @@ def test_jax_env_action_with_control_text_prints_no_control_tokens(builtin_token
 
 # ---- case 2: a long observation is cut as text, its wrapping kept -----------------------------
 
-LONG = " ".join(f"row{i}: value {i * 7}" for i in range(400))     # ~6k characters of a tool's output
+LONG = " ".join(f"row{i}: value {i * 7}" for i in range(400))   # ~6k characters of tool output
 
 
 def _ends_with_wrapping(codec, row):
