@@ -263,13 +263,17 @@ def run(config: ml_collections.ConfigDict, workdir, *, programs: Programs | None
   trainer holds the workdir), FloatingPointError / DivergenceError (the run stopped learning).
   """
   workdir = pathlib.Path(workdir)
-  workdir.mkdir(parents=True, exist_ok=True)
+  if workdir.exists() and not workdir.is_dir():
+    raise sections.ConfigError(f"--workdir={workdir} is an existing file, not a directory; pass "
+                               "a directory (it is created if missing)")
   cfg = sections.run_config(config)          # every section read and checked, before compute
   if cfg.model.lora.enabled:
     raise sections.ConfigError(
         f"config.model.lora.rank={cfg.model.lora.rank}: launch.train does not train adapters yet "
         "(issue 40: jaxagent.learners' make_sft_step / make_update_fn do, given a LoraConfig); "
         "set config.model.lora.rank=0 for full fine-tuning")
+  setup.preflight(config)          # before anything is computed or pinned
+  workdir.mkdir(parents=True, exist_ok=True)
   primary = distributed.is_primary()
   with WorkdirLock(workdir, "train", enabled=primary):
     if primary:

@@ -223,10 +223,11 @@ class DemoSets(tfds.core.GeneratorBasedBuilder):
 def build(data_dir: str | os.PathLike, env_name: str, tokenizer, **config_kwargs) -> str:
   """Builds (or reuses) the demo set of `demo_set_config(env_name, tokenizer, **config_kwargs)`,
   building its task set under the same data_dir first if needed. Returns the builder directory."""
-  builder = DemoSets(data_dir=os.fspath(data_dir), tokenizer=tokenizer,
-                     config=demo_set_config(env_name, tokenizer, **config_kwargs))
-  builder.download_and_prepare(download_config=tfds.download.DownloadConfig(
-      download_mode=tfds.download.GenerateMode.REUSE_DATASET_IF_EXISTS))
+  config = demo_set_config(env_name, tokenizer, **config_kwargs)
+  with task_sets.build_lock(data_dir, "demo_sets", config.name):   # runs sharing the data dir
+    builder = DemoSets(data_dir=os.fspath(data_dir), tokenizer=tokenizer, config=config)
+    builder.download_and_prepare(download_config=tfds.download.DownloadConfig(
+        download_mode=tfds.download.GenerateMode.REUSE_DATASET_IF_EXISTS))
   return os.fspath(builder.data_dir)
 
 

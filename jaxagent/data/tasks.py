@@ -24,7 +24,9 @@ so no evaluation task appears in train.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import fcntl
 import functools
 import hashlib
 import json
@@ -219,10 +221,32 @@ def build(data_dir: str | os.PathLike, env_name: str, **config_kwargs) -> str:
 
   Returns the builder directory (`data_dir/task_sets/<config name>/<version>`).
   """
-  builder = TaskSets(data_dir=os.fspath(data_dir), config=task_set_config(env_name, **config_kwargs))
-  builder.download_and_prepare(download_config=tfds.download.DownloadConfig(
-      download_mode=tfds.download.GenerateMode.REUSE_DATASET_IF_EXISTS))
+  config = task_set_config(env_name, **config_kwargs)
+  with build_lock(data_dir, "task_sets", config.name):
+    builder = TaskSets(data_dir=os.fspath(data_dir), config=config)
+    builder.download_and_prepare(download_config=tfds.download.DownloadConfig(
+        download_mode=tfds.download.GenerateMode.REUSE_DATASET_IF_EXISTS))
   return os.fspath(builder.data_dir)
+
+
+@contextlib.contextmanager
+def build_lock(data_dir: str | os.PathLike, kind: str, name: str):
+  """Holds an exclusive lock (`flock`, released if the holder dies) on building one dataset in
+  `data_dir`: runs that share a data dir (the seeds of a study started together) build it once,
+  one after the other, and the later ones reuse it (TFDS's own temp-dir-and-rename build races:
+  FileExistsError)."""
+  lock_dir = os.path.join(os.fspath(data_dir), ".locks")
+  try:
+    os.makedirs(lock_dir, exist_ok=True)
+    fd = os.open(os.path.join(lock_dir, f"{kind}-{name}.lock"), os.O_RDWR | os.O_CREAT, 0o644)
+  except OSError as e:
+    raise OSError(f"cannot create the build lock in the data dir {os.fspath(data_dir)} ({e}); "
+                  "pass a writable --config.data.dir") from e
+  try:
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    yield
+  finally:
+    os.close(fd)      # releases the lock
 
 
 def builder_dir(data_dir: str | os.PathLike, env_name: str, **config_kwargs) -> str:

@@ -65,6 +65,11 @@ class StepInfo:
   error_kind: jax.Array     # int32: an `ErrorKind`
   oracle_match: jax.Array   # bool: the action equals the oracle's action in the pre-step state
   optimal_turns: jax.Array  # int32: the task's optimal number of turns (from the reset state)
+  # bool: the observation was cut to fit `max_step_obs_len` (as text, with
+  # `codec.TRUNCATION_MARKER` and the chat wrapping kept; host environments, whose tools print
+  # any length). None: the environment's observations always fit (the JAX environments size
+  # their buffers from their fragments' capacities).
+  obs_truncated: Any = None
 
 
 class Environment(Protocol):

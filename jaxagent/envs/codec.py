@@ -52,6 +52,13 @@ INVALID_BYTE = 0xFF
 #   tool calls (a reasoning preamble would not fit the action budget of a few dozen tokens).
 TEMPLATE_KWARGS = {"date_string": "26 Jul 2024", "enable_thinking": False}
 
+# What an observation cut to fit its buffer shows where the cut is (`TextCodec.fit_text`; the
+# rollout engine's backstop for environments whose observations overflow their buffer).
+TRUNCATION_MARKER = "\n[... output truncated]"
+
+# Entries `encode_text` caches before starting over (tool output is unbounded).
+_TEXT_CACHE_SIZE = 65_536
+
 # Placeholders rendered through the chat template and split on (no template touches them).
 _PH = {r: f"@@JAXAGENT_{r.upper()}_PLACEHOLDER@@" for r in ("system", "user", "assistant", "obs")}
 
@@ -269,6 +276,10 @@ class TextCodec:
     self.token_nbytes = token_nbytes
     self.vocab_size = token_bytes.shape[0]
     self._encode_cache: dict[str, np.ndarray] = {}
+    self._text_cache: dict[str, np.ndarray] = {}
+    # Control tokens (special added tokens): plain text (`encode_text`) never yields one.
+    self._control_ids = frozenset(
+        int(i) for i, t in hf_tokenizer.added_tokens_decoder.items() if t.special)
     pad = hf_tokenizer.pad_token_id
     self.pad_id = int(pad if pad is not None else (hf_tokenizer.eos_token_id or 0))
     self._build_chat()
@@ -351,13 +362,69 @@ class TextCodec:
   # ---- text -> tokens (host) ----------------------------------------------------------------
 
   def encode(self, text: str) -> np.ndarray:
-    """Host: the token ids of `text` (no special tokens added; special-token text is matched).
-    Returns np.int32 [n]."""
+    """Host: the token ids of trusted `text` (the template's and environments' own strings; no
+    special tokens added; special-token text is matched, so chat wrapping encodes as control
+    tokens). Untrusted text (tool output) goes through `encode_text`. Returns np.int32 [n]."""
     ids = self._encode_cache.get(text)
     if ids is None:
       ids = np.asarray(self.tokenizer.encode(text, add_special_tokens=False), np.int32).reshape(-1)
       self._encode_cache[text] = ids
     return ids
+
+  def encode_text(self, text: str) -> np.ndarray:
+    """Host: the token ids of untrusted `text` (a tool's output, a task's string) as plain text:
+    special-token strings in it (`<|im_end|>`, `<|eot_id|>`, ...) become their ordinary byte
+    tokens, never control tokens, so a tool cannot write a chat turn. Returns np.int32 [n].
+
+    Raises RuntimeError when the tokenizer ignores `split_special_tokens` (a control token would
+    reach the transcript)."""
+    ids = self._text_cache.get(text)
+    if ids is None:
+      ids = self._plain(text)
+      if len(self._text_cache) >= _TEXT_CACHE_SIZE:   # tool output varies: keep the cache bounded
+        self._text_cache.clear()
+      self._text_cache[text] = ids
+    return ids
+
+  def _plain(self, text: str) -> np.ndarray:
+    ids = np.asarray(self.tokenizer.encode(text, add_special_tokens=False,
+                                           split_special_tokens=True), np.int32).reshape(-1)
+    if self._control_ids and not self._control_ids.isdisjoint(ids.tolist()):
+      raise RuntimeError(
+          f"{type(self.tokenizer).__name__} encoded special-token text in {text[:60]!r} as "
+          "control tokens despite split_special_tokens=True; use a tokenizers-backed (fast) "
+          "tokenizer")
+    return ids
+
+  def fit_text(self, text: str, max_tokens: int) -> np.ndarray:
+    """Host: `encode_text(text)` if it fits `max_tokens`, else the longest prefix *of the text*
+    (whole characters) whose plain-text tokens plus `TRUNCATION_MARKER`'s fit, then the marker.
+    Returns np.int32 [<= max_tokens] (only the marker when not even that fits)."""
+    short = len(text) <= 4 * max_tokens * self.token_bytes.shape[1]   # else it cannot fit
+    ids = self.encode_text(text) if short else None
+    if ids is not None and ids.shape[0] <= max_tokens:
+      return ids
+    marker = self.encode(TRUNCATION_MARKER)
+    room = max_tokens - marker.shape[0]
+
+    # A token holds at least one character, so a prefix that fits has at most `room` tokens of at
+    # most W bytes each: search below that.
+    lo, hi = 0, min(len(text), max(room, 0) * self.token_bytes.shape[1])
+    while lo < hi:          # the longest prefix that fits (lo always fits)
+      mid = (lo + hi + 1) // 2
+      if len(self._plain(text[:mid])) <= room:   # uncached: prefixes would flood it
+        lo = mid
+      else:
+        hi = mid - 1
+    head = self._plain(text[:lo]) if lo else np.zeros((0,), np.int32)
+    return np.concatenate([head, marker]).astype(np.int32)
+
+  @functools.cached_property
+  def truncation_tail(self) -> np.ndarray:
+    """Tokens of `TRUNCATION_MARKER` then the template's text that closes an observation (to the
+    next assistant header): what ends an observation cut at the token level."""
+    return np.concatenate([self.encode(TRUNCATION_MARKER),
+                           np.asarray(self._obs_to_assistant.tokens)]).astype(np.int32)
 
   def fragment(self, text: str) -> Piece:
     """Host: a static string, pre-tokenised, as a piece (numpy tokens [n], length n)."""

@@ -19,10 +19,16 @@ What the adapter (`HostEnv`) does, the same way as the JAX environments (`common
     otherwise the episode gets the parsed call (`parse_call_text`, the Python twin of
     `common.parse_call`);
   * the episode returns its observation body as a list of text *pieces*; the adapter tokenises
-    each piece on its own (`codec.encode`, cached) and concatenates, adds the budget suffix
-    ("\\nTurns left: k.") and the chat wrapping, and pads to `max_obs_len`. A host tool whose pieces
-    are a JAX env's fragments therefore gives token-identical observations (`HostLookupEnv` does,
-    and the tests check it against `LookupEnv`);
+    each piece on its own as plain text (`codec.encode_text`, cached: special-token strings such
+    as "<|im_end|>" in a tool's output stay text, so a tool cannot forge a chat turn) and
+    concatenates, adds the budget suffix ("\\nTurns left: k.") and the chat wrapping, and pads
+    to `max_obs_len`. A host tool whose pieces are a JAX env's fragments therefore gives
+    token-identical observations (`HostLookupEnv` does, and the tests check it against
+    `LookupEnv`);
+  * a body too long for `max_step_obs_len` is cut *as text* (`codec.fit_text`: a prefix of the
+    text, then `TRUNCATION_MARKER`), the budget suffix and the wrapping kept whole, and the
+    step's `info.obs_truncated` is set (the rollout counts it); a prompt over `max_obs_len` is
+    an error naming it;
   * counting turns and no-op steps after done (a spent budget is shown, not enforced: the rollout
     engine ends the episode).
 
@@ -44,7 +50,7 @@ import numpy as np
 
 from jaxagent.envs import common, lookup
 from jaxagent.envs.base import ErrorKind, StepInfo, TokenBuffer
-from jaxagent.envs.codec import TextCodec, concat_host
+from jaxagent.envs.codec import TRUNCATION_MARKER, TextCodec, concat_host
 
 _WS = " \t\n\r"
 _NAME = re.compile(r"[A-Za-z0-9_]+")
@@ -113,11 +119,21 @@ class HostEnv:
                max_step_obs_len: int | None = None):
     self.codec, self.make_episode, self.name = codec, make_episode, name
     self.max_obs_len, self.max_action_len, self.max_action_bytes = max_obs_len, max_action_len, max_action_bytes
-    # Observations after the first fit in this many tokens (default: as many as the prompt).
+    # Observations after the first fit in this many tokens (default: as many as the prompt);
+    # a longer one is cut as text (`codec.fit_text`), keeping its budget suffix and wrapping.
     self.max_step_obs_len = max_obs_len if max_step_obs_len is None else max_step_obs_len
+    self._wrap_len = sum(len(np.asarray(p.tokens)) for p in codec.observation([]))
+    need = (self._wrap_len + len(codec.encode(TRUNCATION_MARKER))
+            + sum(len(x) for x in common.budget_suffix_host(codec, 10 ** 9 - 1, 0)))
+    if not need <= self.max_step_obs_len <= max_obs_len:
+      raise ValueError(f"{name}: max_step_obs_len={self.max_step_obs_len} cannot hold an "
+                       f"observation's chat wrapping, budget line and truncation marker (needs "
+                       f">= {need} tokens) or exceeds max_obs_len={max_obs_len}; set it in between")
 
   def _frags(self, texts: list[str]) -> list[np.ndarray]:
-    return [self.codec.encode(t) for t in texts]
+    # An episode's texts are untrusted (a tool echoes arguments, a database's values, a file):
+    # plain text, so special-token strings in them never become control tokens.
+    return [self.codec.encode_text(t) for t in texts]
 
   def _pad(self, rows: list[np.ndarray], n: int) -> TokenBuffer:
     tokens = np.full((len(rows), n), self.codec.pad_id, np.int32)
@@ -139,7 +155,12 @@ class HostEnv:
       system, user = ep.prompt()
       user_tokens = self._frags(user) + common.budget_intro_host(self.codec, int(bud))
       rows.append(concat_host(self.codec.prompt(
-          [self.codec.fragment(t) for t in system], [TokenBuffer(u, np.int32(len(u))) for u in user_tokens])))
+          [_buf(t) for t in self._frags(system)], [_buf(u) for u in user_tokens])))
+      if len(rows[-1]) > self.max_obs_len:
+        raise ValueError(
+            f"{self.name}: episode {len(rows) - 1}'s prompt is {len(rows[-1])} tokens, more than "
+            f"max_obs_len={self.max_obs_len} (it would lose its assistant header); raise "
+            "max_obs_len or shorten the task's prompt")
     state = HostState(episodes=episodes, turn=np.zeros((b,), np.int32), budget=budget,
                       done=np.zeros((b,), bool))
     return state, self._pad(rows, self.max_obs_len)
@@ -151,7 +172,8 @@ class HostEnv:
     info = {k: np.zeros((b,), t) for k, t in [("reward", np.float32), ("done", bool), ("solved", bool),
                                                ("final_answer", bool), ("valid_call", bool),
                                                ("error_kind", np.int32), ("oracle_match", bool),
-                                               ("optimal_turns", np.int32)]}
+                                               ("optimal_turns", np.int32),
+                                               ("obs_truncated", bool)]}
     turn, done, rows = state.turn.copy(), state.done.copy(), []
     for i, ep in enumerate(state.episodes):
       info["optimal_turns"][i] = ep.optimal_turns
@@ -163,8 +185,15 @@ class HostEnv:
       out = ep.act(parse_call_text(data, self.max_action_bytes))
       turn[i] += 1
       done[i] = out.final_answer
-      body = self._frags(out.body) + common.budget_suffix_host(self.codec, int(state.budget[i]), int(turn[i]))
-      rows.append(concat_host(self.codec.observation([TokenBuffer(t, np.int32(len(t))) for t in body])))
+      body = self._frags(out.body)
+      suffix = common.budget_suffix_host(self.codec, int(state.budget[i]), int(turn[i]))
+      fixed = self._wrap_len + sum(len(x) for x in suffix)
+      if sum(len(x) for x in body) + fixed > self.max_step_obs_len:
+        # Too long for the turn's buffer: cut the text and say so; the budget line and the
+        # wrapping (tool turn end, next assistant header) stay whole.
+        body = [self.codec.fit_text("".join(out.body), self.max_step_obs_len - fixed)]
+        info["obs_truncated"][i] = True
+      rows.append(concat_host(self.codec.observation([_buf(t) for t in body + suffix])))
       info["reward"][i] = float(out.solved)
       info["done"][i] = done[i]
       info["solved"][i] = out.solved
@@ -178,6 +207,10 @@ class HostEnv:
   def oracle_action(self, state: HostState) -> TokenBuffer:
     """The expert's next action of every episode, tokenised piece by piece: tokens [B, A]."""
     return self._pad([concat_host(self._frags(ep.oracle())) for ep in state.episodes], self.max_action_len)
+
+
+def _buf(tokens: np.ndarray) -> TokenBuffer:
+  return TokenBuffer(tokens, np.int32(len(tokens)))
 
 
 # ---- the example tool: lookup over a Python dict knowledge base ------------------------------

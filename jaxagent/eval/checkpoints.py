@@ -40,6 +40,7 @@ from jaxagent.rollout.budget import Budget
 from jaxagent.runs import config as sections
 from jaxagent.runs import layout
 from jaxagent.runs.lock import WorkdirLock
+from jaxagent.runs.pinning import check_pinned
 from jaxagent.sharding import distributed
 
 POLICY, BASE = "policy", "base"
@@ -124,9 +125,18 @@ def evaluate_checkpoint(config, workdir, step: int | None = None, *,
   Raises FileNotFoundError (naming the fix) when the workdir or step has no checkpoint, and
   WorkdirLockedError when another evaluator is writing this workdir's evaluations.
   """
+  _check_run(config, workdir)     # before the lock: a mistyped workdir is not created
   with _eval_lock(workdir):
     return _evaluate_checkpoint(config, workdir, step, evaluator=evaluator, phase=phase,
                                 analyses=analyses)
+
+
+def _check_run(config, workdir) -> None:
+  """The workdir holds checkpoints (else FileNotFoundError naming the fix, and nothing is
+  written) and was trained with this config (`pinning.check_pinned`: else ConfigError naming the
+  differing keys)."""
+  layout.checkpoint_steps(workdir)
+  check_pinned(config, workdir)
 
 
 def _evaluate_checkpoint(config, workdir, step: int | None = None, *,
@@ -135,6 +145,7 @@ def _evaluate_checkpoint(config, workdir, step: int | None = None, *,
   workdir = pathlib.Path(workdir)
   e = sections.eval_config(config)
   phase, step = layout.resolve_checkpoint(workdir, e.phase if phase is None else phase, step)
+  check_pinned(config, workdir)   # again: `watch` reaches here once the run has pinned it
   ev = evaluator or Evaluator(config, workdir)
   t0 = time.perf_counter()
   timing: dict[str, float] = {}
@@ -271,6 +282,7 @@ def recovery_bars(rec: dict, mode: str = "sampled") -> dict:
 def evaluate_all(config, workdir, *, evaluator: Evaluator | None = None) -> list[dict]:
   """Evaluates every kept checkpoint of the configured phase(s), oldest first."""
   have = layout.checkpoint_steps(workdir, config.eval.phase)
+  check_pinned(config, workdir)
   if not have:
     raise FileNotFoundError(f"no checkpoint under {pathlib.Path(workdir) / 'checkpoints'}: train "
                             "first, or fix --workdir")

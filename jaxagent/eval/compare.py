@@ -66,6 +66,8 @@ def _traj_from(eps: dict) -> Trajectory:
   out = {f: eps[f"traj/{f}"] for f in TRAJ_FIELDS if f"traj/{f}" in eps}
   if "state_id" not in out:           # evaluations stored before state fingerprints were recorded
     out["state_id"] = np.zeros(out["acted"].shape + (2,), np.uint32)
+  if "obs_truncated" not in out:      # evaluations stored before truncations were recorded
+    out["obs_truncated"] = np.zeros(out["acted"].shape, bool)
   return Trajectory(**out)
 
 

@@ -174,24 +174,21 @@ def hf_config(f: GGUFFile) -> dict:
                             "incomplete (re-convert it with llama.cpp's convert_hf_to_gguf.py)")
     return v
 
-  heads = need("attention.head_count")
-  d = need("embedding_length")
-  head_dim = f.value(f"{arch}.attention.key_length")
-  if head_dim is None and arch == "llama":
-    head_dim = f.value(f"{arch}.rope.dimension_count")
+  sizes = _checked_sizes(f, arch, need)
+  heads, d, head_dim = sizes["attention.head_count"], sizes["embedding_length"], sizes["head_dim"]
   embd = f.tensors.get("token_embd.weight")
-  vocab = (f.value(f"{arch}.vocab_size") or f.array_len("tokenizer.ggml.tokens")
+  vocab = (sizes["vocab_size"] or f.array_len("tokenizer.ggml.tokens")
            or (f.hf_shape(embd)[0] if embd is not None else None))
   hf = {
       "model_type": arch,
       "vocab_size": vocab,
       "hidden_size": d,
-      "intermediate_size": need("feed_forward_length"),
-      "num_hidden_layers": need("block_count"),
+      "intermediate_size": sizes["feed_forward_length"],
+      "num_hidden_layers": sizes["block_count"],
       "num_attention_heads": heads,
-      "num_key_value_heads": f.value(f"{arch}.attention.head_count_kv", heads),
-      "head_dim": head_dim or d // heads,
-      "max_position_embeddings": f.value(f"{arch}.context_length", 4096),
+      "num_key_value_heads": sizes["attention.head_count_kv"] or heads,
+      "head_dim": head_dim,
+      "max_position_embeddings": sizes["context_length"] or 4096,
       "rope_theta": float(f.value(f"{arch}.rope.freq_base", 10000.0)),
       "rms_norm_eps": float(need("attention.layer_norm_rms_epsilon")),
       "tie_word_embeddings": "output.weight" not in f.tensors,
@@ -209,6 +206,64 @@ def hf_config(f: GGUFFile) -> dict:
     raise CheckpointError(f"{f.path}: {arch}.rope.scaling.type {scaling!r} is not supported "
                           "from GGUF (only 'linear'); load the Hugging Face checkpoint instead")
   return hf
+
+
+# The longest context a header may declare (it sizes position tables, not tensors).
+MAX_CONTEXT = 1 << 24
+
+
+def _checked_sizes(f: GGUFFile, arch: str, need) -> dict:
+  """The header's sizes, each checked before it is used in a shape or a division: a positive
+  integer, no larger than what the file's tensors hold (`block_count`: exactly the blocks whose
+  tensors are present; a dimension: at most the largest tensor dimension), the heads dividing
+  the widths. A damaged or hostile header (block_count 2^31-1, head_count 0) is a CheckpointError
+  naming the file and the field, before any per-layer name or array is made."""
+  dims = [s for t in f.tensors.values() for s in f.hf_shape(t)]
+  max_dim = max(dims, default=0)
+
+  def bad(key, v, why):
+    return CheckpointError(f"{f.path}: metadata {arch}.{key} is {v!r}, but {why}; the header is "
+                           "damaged or does not match the tensors (re-convert the file with "
+                           "llama.cpp's convert_hf_to_gguf.py)")
+
+  def size(key, v, bound=None):
+    if v is None:
+      return None
+    bound = max_dim if bound is None else bound
+    if type(v) is not int or not 0 < v <= bound:
+      raise bad(key, v, f"it must be a positive integer of at most {bound}")
+    return v
+
+  blocks = {int(n.split(".")[1]) for n in f.tensors if n.startswith("blk.")
+            and n.split(".")[1].isdigit()}
+  count = need("block_count")
+  if type(count) is not int or count != len(blocks) or blocks != set(range(count)):
+    shown = f"blk.0 .. blk.{max(blocks)}" if blocks else "none"
+    raise bad("block_count", count, f"the file holds the tensors of {len(blocks)} blocks ({shown})")
+  out = {k: size(k, need(k)) for k in ("embedding_length", "feed_forward_length",
+                                       "attention.head_count")}
+  out["block_count"] = count
+  for k in ("attention.head_count_kv", "attention.key_length", "rope.dimension_count",
+            "vocab_size"):
+    out[k] = size(k, f.value(f"{arch}.{k}"))
+  out["context_length"] = size("context_length", f.value(f"{arch}.context_length"), MAX_CONTEXT)
+  heads, d = out["attention.head_count"], out["embedding_length"]
+  kv = out["attention.head_count_kv"] or heads
+  if heads % kv:
+    raise bad("attention.head_count_kv", kv, f"it must divide attention.head_count = {heads}")
+  source, head_dim = "attention.key_length", out["attention.key_length"]
+  if head_dim is None and arch == "llama":
+    source, head_dim = "rope.dimension_count", out["rope.dimension_count"]
+  if head_dim is None:
+    if d % heads:
+      raise bad("attention.head_count", heads,
+                f"it must divide embedding_length = {d} (the file gives no key_length)")
+    source, head_dim = "attention.head_count", d // heads
+  if head_dim % 2:
+    raise bad(source, heads if source == "attention.head_count" else head_dim,
+              "a head dimension must be even (RoPE pairs)")
+  out["head_dim"] = head_dim
+  return out
 
 
 def read_config(path: pathlib.Path, dtype: str | None, param_dtype: str | None = None,

@@ -22,9 +22,8 @@ import pathlib
 import jax
 import numpy as np
 
-from jaxagent.checkpoint.errors import IncompatibleCheckpointError
 from jaxagent.models import hf_io, lora
-from jaxagent.models.config import ModelConfig
+from jaxagent.models.config import CheckpointError, ModelConfig
 from jaxagent.models.safetensors_io import save_file
 
 # Meta key of an adapter checkpoint: `base_fingerprint` of the base its adapters belong to.
@@ -48,14 +47,14 @@ def base_fingerprint(params: dict) -> str:
 
 
 def check_base(ckpt, fingerprint: str) -> None:
-  """Raises `IncompatibleCheckpointError` naming both fingerprints unless the newest checkpoint
+  """Raises `CheckpointError` naming both fingerprints unless the newest checkpoint
   of Checkpointer `ckpt` (if any) holds adapters of the base `fingerprint`."""
   step = ckpt.latest_step()
   if step is None:
     return
   saved = ckpt.restore_meta(step).get(BASE_FINGERPRINT_KEY)
   if saved != fingerprint:
-    raise IncompatibleCheckpointError(
+    raise CheckpointError(
         f"{ckpt.directory} holds LoRA adapters (step {step}) of another base model: saved "
         f"{BASE_FINGERPRINT_KEY} {saved!r}, this run's base {fingerprint!r}. Adapters only fit "
         "the weights they were trained on: load that base (config.model.path / init_from) or "

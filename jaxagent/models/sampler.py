@@ -30,7 +30,28 @@ class SamplingConfig:
 
   @classmethod
   def make(cls, temperature=1.0, top_k=0, top_p=1.0) -> "SamplingConfig":
+    """The knobs as traced scalars. Concrete values are checked (`check_sampling`); traced ones
+    (inside jit) are the caller's to check."""
+    check_sampling(temperature, top_k, top_p)
     return cls(jnp.float32(temperature), jnp.int32(top_k), jnp.float32(top_p))
+
+
+def check_sampling(temperature, top_k, top_p) -> None:
+  """Raises ValueError for knobs that would silently sample something else: temperature < 0 or
+  NaN (greedy), top_p <= 0 (greedy) or > 1 or NaN (no nucleus), top_k < 0 (no top-k). Traced
+  values are skipped."""
+  def concrete(x):
+    try:
+      return float(x)
+    except (TypeError, jax.errors.ConcretizationTypeError, jax.errors.TracerArrayConversionError):
+      return None
+  t, k, p = concrete(temperature), concrete(top_k), concrete(top_p)
+  if t is not None and not t >= 0:
+    raise ValueError(f"temperature={temperature}: use 0 (greedy) or a positive temperature")
+  if k is not None and (k < 0 or k != int(k)):
+    raise ValueError(f"top_k={top_k}: use 0 (no top-k) or a positive integer")
+  if p is not None and not 0 < p <= 1:
+    raise ValueError(f"top_p={top_p}: use a value in (0, 1] (1: no nucleus truncation)")
 
 
 @struct.dataclass

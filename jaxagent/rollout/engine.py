@@ -67,6 +67,7 @@ class _Records:
   actions: jax.Array        # [B, T, A] int32 (A = the environment's max_action_len)
   actions_len: jax.Array    # [B, T] int32
   state_id: jax.Array       # [B, T, 2] uint32 fingerprint of the state the turn acted in
+  obs_truncated: jax.Array  # [B, T] bool the observation after the turn was cut to fit
 
 
 @struct.dataclass
@@ -182,9 +183,28 @@ def _record_action(c: _Carry, action: TokenBuffer, active, start, state_id):
       actions_len=r.actions_len.at[:, c.t].set(jnp.where(active, action.length, 0))))
 
 
+def _fit_obs(obs: TokenBuffer, n: int, tail: np.ndarray, info: StepInfo):
+  """The observations [B, >= n] cut to the turn's n tokens, and which were cut ([B] bool).
+
+  An environment cuts an observation that is too long itself, as text (`HostEnv`, which sets
+  `info.obs_truncated`); the JAX environments' buffers hold every observation they can print.
+  This is the backstop for any other: a row longer than n keeps its first n - len(tail) tokens
+  and ends with `tail` (`codec.truncation_tail`: the marker, then the template's text to the next
+  assistant header), so the transcript keeps its chat wrapping and the cache never runs past
+  the tokens written. Jittable (numpy or jax inputs)."""
+  over = jnp.asarray(obs.length) > n
+  keep = n - tail.shape[0]
+  tail_row = jnp.asarray(np.concatenate([np.zeros((keep,), np.int32), tail]))
+  cut = (jnp.arange(n) >= keep)[None, :] & over[:, None]
+  tokens = jnp.where(cut, tail_row[None, :], jnp.asarray(obs.tokens)[:, :n])
+  truncated = over if info.obs_truncated is None else over | jnp.asarray(info.obs_truncated)
+  return TokenBuffer(tokens=tokens, length=jnp.minimum(jnp.asarray(obs.length), n)), truncated
+
+
 def _observe(mcfg: ModelConfig, eot: int, params, c: _Carry, obs: TokenBuffer, info: StepInfo,
-             active, stopped):
-  """Appends (<eot> if it was not sampled) + observation for live rows and records the step."""
+             active, stopped, truncated):
+  """Appends (<eot> if it was not sampled) + observation for live rows and records the step
+  (truncated [B]: the observation was cut to fit, `_fit_obs`)."""
   b, n = obs.tokens.shape
   forced = active & ~stopped
   eot_col = jnp.full((b, 1), eot, jnp.int32)
@@ -207,7 +227,8 @@ def _observe(mcfg: ModelConfig, eot: int, params, c: _Carry, obs: TokenBuffer, i
       error_kind=r.error_kind.at[:, t].set(jnp.where(active, info.error_kind, 0)),
       oracle_match=r.oracle_match.at[:, t].set(active & info.oracle_match),
       reward=r.reward.at[:, t].set(jnp.where(active, info.reward, 0.0)),
-      solved=r.solved.at[:, t].set(active & info.solved))
+      solved=r.solved.at[:, t].set(active & info.solved),
+      obs_truncated=r.obs_truncated.at[:, t].set(active & truncated))
   ended = active & info.done
   status = jnp.where(ended, jnp.where(info.solved, Status.SOLVED, Status.ENDED), c.status)
   return c.replace(t=t + 1, cache=cache, buf=buf, rec=rec,
@@ -231,7 +252,7 @@ def _start(mcfg: ModelConfig, cfg: RolloutConfig, pad: int, action_len: int, par
   rec = _Records(acted=fb, valid_call=fb, error_kind=zi, oracle_match=fb,
                  reward=jnp.zeros((b, tm)), solved=fb, action_length=zi, turn_start=zi,
                  actions=jnp.zeros((b, tm, action_len), jnp.int32), actions_len=zi,
-                 state_id=jnp.zeros((b, tm, 2), jnp.uint32))
+                 state_id=jnp.zeros((b, tm, 2), jnp.uint32), obs_truncated=fb)
   return _Carry(t=jnp.int32(0), cache=cache, next_logits=logits, buf=buf, rec=rec,
                 done=jnp.zeros((b,), bool), status=jnp.zeros((b,), jnp.int32),
                 num_turns=jnp.zeros((b,), jnp.int32), budget=budget.astype(jnp.int32), key=key)
@@ -257,6 +278,7 @@ def _finish(cfg: RolloutConfig, pad: int, c: _Carry, task_id, group_id, optimal_
       oracle_match=c.rec.oracle_match, reward=c.rec.reward, solved=c.rec.solved,
       action_length=c.rec.action_length, turn_start=c.rec.turn_start,
       action_tokens=c.rec.actions, action_tokens_len=c.rec.actions_len, state_id=c.rec.state_id,
+      obs_truncated=c.rec.obs_truncated,
       success_turn=jnp.where(jnp.any(c.rec.solved, axis=1), first, tm + 1).astype(jnp.int32),
       num_turns=c.num_turns, budget=c.budget, task_id=task_id.astype(jnp.int32),
       group_id=group_id.astype(jnp.int32), status=status.astype(jnp.int32),
@@ -284,6 +306,7 @@ def make_rollout_fn(mcfg: ModelConfig, env, cfg: RolloutConfig, forced_action=No
   codec = env.codec
   eot, pad = int(codec.end_of_turn_id), int(codec.pad_id)
   obs_len, action_len = step_obs_len(env), env.max_action_len
+  tail = codec.truncation_tail
 
   def run(params, key, tasks, budget, task_id, group_id, sc):
     if on_trace is not None:
@@ -314,10 +337,10 @@ def make_rollout_fn(mcfg: ModelConfig, env, cfg: RolloutConfig, forced_action=No
                                                  sc.temperature)
       c = _record_action(c, action, active, start, jax.vmap(state_fingerprint)(state))
       new_state, obs, info = jax.vmap(env.step)(state, action)
-      obs = obs.replace(tokens=obs.tokens[:, :obs_len])
+      obs, truncated = _fit_obs(obs, obs_len, tail, info)
       state = _where_tree(active, new_state, state)
       optimal = jnp.where(c.t == 0, info.optimal_turns, optimal)
-      return _observe(mcfg, eot, params, c, obs, info, active, stopped), state, optimal
+      return _observe(mcfg, eot, params, c, obs, info, active, stopped, truncated), state, optimal
 
     c, _, optimal = jax.lax.while_loop(cond, body, (c, state, optimal))
     return _finish(cfg, pad, c, task_id, group_id, optimal, obs_len)
@@ -336,6 +359,10 @@ def _check(env, cfg: RolloutConfig):
   if not 2 <= cfg.max_action_tokens <= env.max_action_len:
     raise ValueError(f"max_action_tokens={cfg.max_action_tokens} must be in [2, the "
                      f"environment's max_action_len = {env.max_action_len}] (it counts <eot>)")
+  tail = env.codec.truncation_tail.shape[0]
+  if step_obs_len(env) <= tail:
+    raise ValueError(f"the environment's max_step_obs_len={step_obs_len(env)} cannot hold a "
+                     f"truncated observation's marker and wrapping ({tail} tokens); raise it")
   need = env.max_obs_len + cfg.max_action_tokens + 1 + step_obs_len(env)
   if cfg.context_len < need:
     raise ValueError(f"context_len={cfg.context_len} cannot hold the prompt and one turn "
@@ -366,6 +393,8 @@ class HostRollout:
 
     self._act = jax.jit(act)
     self._observe = jax.jit(functools.partial(_observe, mcfg, eot))
+    tail = env.codec.truncation_tail
+    self._fit = jax.jit(lambda obs, info: _fit_obs(obs, obs_len, tail, info))
     self._alive = jax.jit(lambda c: _alive(c, cfg, obs_len)[0])
     self._finish = jax.jit(lambda c, task_id, group_id, optimal: _finish(
         cfg, pad, c, task_id, group_id, optimal, obs_len))
@@ -387,8 +416,9 @@ class HostRollout:
       state, obs, info = self.env.step(state, jax.tree.map(np.asarray, action))
       if t == 0:
         optimal = np.asarray(info.optimal_turns)
-      obs = obs.replace(tokens=np.asarray(obs.tokens)[:, :self.obs_len])
-      c = self._observe(params, c, _device(obs), _device(info), active, stopped)
+      info = _device(info)
+      obs, truncated = self._fit(_device(obs), info)
+      c = self._observe(params, c, obs, info, active, stopped, truncated)
     return self._finish(c, task_id, group_id, jnp.asarray(optimal))
 
   def _state_id(self, state, t: int, b: int) -> np.ndarray:

@@ -45,4 +45,5 @@ def trajectory_stats(traj: Trajectory) -> dict:
       "recovery_oracle_rate": _ratio(jnp.sum(traj.oracle_match * err), jnp.sum(err)),
       "sampled_tokens": jnp.sum(traj.loss_mask),
       "mean_length": jnp.mean(traj.length.astype(jnp.float32)),
+      "truncated_observations": jnp.sum(traj.obs_truncated & traj.acted),
   }

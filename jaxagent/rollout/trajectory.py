@@ -48,6 +48,8 @@ class Trajectory:
   action_tokens_len: jax.Array   # int32 its length (no end-of-turn token)
   state_id: jax.Array            # [B, T_max, 2] uint32 fingerprint of the state the turn acted in
                                  # (`envs.base.state_fingerprint`; 0 where the row did not act)
+  obs_truncated: jax.Array       # [B, T_max] bool the turn's observation was cut to fit its buffer
+                                 # (a marker shows the cut; `envs.codec.TRUNCATION_MARKER`)
   # Episode level, [B].
   success_turn: jax.Array        # int32 first solving turn (1-based), or T_max + 1
   num_turns: jax.Array           # int32 turns taken

@@ -110,6 +110,10 @@ class RLConfig:
     _require(self.max_action_tokens != 1,
              "config.rl.max_action_tokens must be 0 (the environment's limit) or >= 2 (it "
              "counts the end-of-turn token), got 1")
+    _require(self.steps == 0 or self.temperature > 0,
+             f"config.rl.temperature={self.temperature}: RL needs sampled episodes (at "
+             "temperature 0 every episode of a group is the same, advantages are zero and the "
+             "updates are noise); use a positive temperature, e.g. 1.0, or config.rl.steps=0")
 
 
 @dataclasses.dataclass(frozen=True)

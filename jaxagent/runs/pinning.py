@@ -84,3 +84,29 @@ def pin_config(config, workdir, *, allow_change: bool = False) -> dict[str, tupl
   tmp.write_text(config.to_json_best_effort(indent=2))
   tmp.replace(path)
   return changes
+
+
+def check_pinned(config, workdir, *, job: str = "evaluation") -> None:
+  """Refuses a `config` that differs from the workdir's pinned config.json in a key that says
+  what the run is (model, environment, tasks, learner, budgets, seeds; the `FREE` keys may
+  differ): the pinned config is the source of truth for what a job reading the run (an
+  evaluation) works on. No config.json (a run not started yet): nothing to check.
+  Raises ConfigError listing each differing key with both values."""
+  workdir = pathlib.Path(workdir)
+  path = workdir / CONFIG_FILE
+  if not path.is_file():
+    return
+  try:
+    old = json.loads(path.read_text())
+  except json.JSONDecodeError as e:
+    raise ConfigError(f"{path} is not valid JSON ({e}); restore it (the {job} reads what the "
+                      "run is from it)") from None
+  pinned = {k: v for k, v in config_diff(old, json.loads(config.to_json_best_effort())).items()
+            if not _free(k)}
+  if pinned:
+    lines = "\n".join(f"  config.{k}: {a!r} (the run) -> {b!r} (given)"
+                      for k, (a, b) in pinned.items())
+    raise ConfigError(
+        f"{workdir} was trained with another config; these keys of --config differ from its "
+        f"{CONFIG_FILE}:\n{lines}\nthe {job} must use the run's own config: pass the --config "
+        f"(and overrides) the run was trained with, or --workdir of a run of this config")

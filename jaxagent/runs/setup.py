@@ -22,14 +22,13 @@ from jaxagent.models import ModelConfig, Policy, from_pretrained
 from jaxagent.models.policy import load_config_and_tokenizer
 from jaxagent.rollout.api import max_transcript_len
 from jaxagent.runs import layout
-from jaxagent.runs.config import ConfigError, DataConfig, EnvConfig
+from jaxagent.runs.config import ConfigError, DataConfig, EnvConfig, rl_config
 from jaxagent.sharding import distributed, make_mesh
 
 
 def run_mesh(config: ml_collections.ConfigDict):
-  """The mesh of the first config.num_devices devices (0: all) with config.mesh's axis sizes."""
-  devices = jax.devices()[:config.num_devices or None]
-  return make_mesh(dict(config.mesh), devices=devices)
+  """The mesh of `config_devices(config)` with config.mesh's axis sizes."""
+  return make_mesh(dict(config.mesh), devices=config_devices(config))
 
 
 def load_policy(config: ml_collections.ConfigDict) -> Policy:
@@ -41,6 +40,28 @@ def load_policy(config: ml_collections.ConfigDict) -> Policy:
                          param_dtype=config.model.param_dtype,
                          allow_nonfinite=config.model.allow_nonfinite_weights,
                          attention=config.model.get("attention") or None)
+
+
+def config_devices(config) -> list:
+  """The first config.num_devices devices (0: all); more than there are is a ConfigError (it
+  ran on fewer without a word)."""
+  n, have = config.num_devices, jax.device_count()
+  if n > have:
+    raise ConfigError(f"config.num_devices={n}, but this process sees {have} device(s) "
+                      f"({jax.devices()[0].platform}); set --config.num_devices={have} or 0 (all)")
+  return jax.devices()[:n or None]
+
+
+def preflight(config) -> None:
+  """What needs the model's config and tokenizer (not its weights), checked before any compute
+  and before the run's config is pinned: the model path, the device count, and that the RL
+  budget's rollouts fit the model's context (`check_context`)."""
+  config_devices(config)
+  model_config, tokenizer = load_skeleton(config)     # a mistyped model path raises here
+  if config.rl.steps > 0:
+    c = rl_config(config)
+    check_context(model_config, make_env(config, tokenizer), c.budget.max_turns,
+                  c.max_action_tokens, "config.rl.budget / config.rl.max_action_tokens")
 
 
 def load_skeleton(config) -> tuple[ModelConfig, object]:

@@ -98,3 +98,36 @@ def test_config_names_encode_the_knobs():
   assert a.name == b.name == "grid__num_traps_2__size_6__seed0__n48_16_16" and a.name != c.name
   assert tasks.task_set_config("grid", wall_density=0.25).name.startswith("grid__wall_density_0p25__")
   assert a.difficulty == {"size": 6, "num_traps": 2}
+
+
+BUILD_ONE = """
+import sys, time
+import numpy as np
+from jaxagent.data import tasks
+start = float(sys.argv[2])
+time.sleep(max(0.0, start - time.time()))       # every process starts building at once
+tasks.build(sys.argv[1], "lookup", seed=0, num_train=64, num_validation=8, num_test=8, hops=1)
+a = tasks.load(sys.argv[1], "lookup", "test", seed=0, num_train=64, num_validation=8, num_test=8,
+               hops=1)
+print("ok", int(np.asarray(a["index"]).sum()), flush=True)
+"""
+
+
+def test_runs_sharing_a_data_dir_build_each_set_once(tmp_path):
+  """Issue 37 case 5: runs started together on one --config.data.dir (a study's seeds) raced in
+  TFDS's build (a raw FileExistsError); the build is locked, so all succeed with the same set."""
+  import os
+  import pathlib
+  import subprocess
+  import sys
+  import time
+  root = pathlib.Path(__file__).resolve().parents[2]
+  env = {**os.environ, "PYTHONPATH": str(root), "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
+  start = time.time() + 25          # after every process has imported jax and TFDS
+  procs = [subprocess.Popen([sys.executable, "-c", BUILD_ONE, str(tmp_path), str(start)],
+                            cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True) for _ in range(4)]
+  outs = [p.communicate(timeout=600) for p in procs]
+  for p, (out, err) in zip(procs, outs):
+    assert p.returncode == 0, err[-3000:]
+  assert len({out.strip().splitlines()[-1] for out, _ in outs}) == 1

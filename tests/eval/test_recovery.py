@@ -36,7 +36,7 @@ def trajectory(acted, error_kind, valid, oracle, *, tokens=None, turn_start=None
                      else np.asarray(action_tokens, np.int32)),
       action_tokens_len=(np.zeros((b, t), np.int32) if action_len is None
                          else np.asarray(action_len, np.int32)),
-      state_id=np.zeros((b, t, 2), np.uint32),
+      state_id=np.zeros((b, t, 2), np.uint32), obs_truncated=np.zeros((b, t), bool),
       success_turn=np.full((b,), t + 1, np.int32), num_turns=acted.sum(1).astype(np.int32),
       budget=np.full((b,), t, np.int32) if budget is None else np.asarray(budget, np.int32),
       task_id=np.arange(b, dtype=np.int32), group_id=np.arange(b, dtype=np.int32),

@@ -53,6 +53,7 @@ def build_trajectory(*, tokens, length, loss_mask, acted, valid_call, solved, nu
       action_tokens_len=jnp.asarray(np.where(acted, 3, 0).astype(np.int32)),
       state_id=jnp.asarray(np.zeros((b, t, 2), np.uint32) if state_id is None
                            else np.asarray(state_id, np.uint32)),
+      obs_truncated=jnp.zeros((b, t), bool),
   )
   # The Trajectory grows fields over time; give the ones it has (the constructor rejects a
   # missing one, so this never silently leaves a field out).

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 import pathlib
 import subprocess
 import sys
@@ -617,3 +618,57 @@ def test_memory_plan_reads_a_gguf_checkpoint(synthetic):
   assert 0 < prompt < context
   plan = memory.plan_for_config(config, 1)
   assert plan.model == cfg and plan.total > 0
+
+
+# ---- hostile headers (issue 37, cases 6 and 7) ----------------------------------------------
+
+
+def _write_with_header(path: pathlib.Path, **fields) -> pathlib.Path:
+  """The synthetic llama GGUF with header fields replaced (add_<field>(value) of GGUFWriter;
+  None leaves the field out)."""
+  q = gguf.GGMLQuantizationType
+  w = gguf.GGUFWriter(str(path), "llama")
+  for field, value in fields.items():
+    setattr(w, f"add_{field}",
+            lambda _, m=getattr(w, f"add_{field}"), v=value: None if v is None else m(v))
+  _add_metadata(w, _D, _F, _H, _K, _HD)
+  for name, x in _hf_weights().items():
+    g = gguf_io.gguf_tensor_name(name)
+    w.add_tensor(g, x.astype(np.float32), raw_dtype=q.F32)
+  return _finish(w, path)
+
+
+def test_huge_block_count_is_refused_at_once(tmp_path):
+  """block_count 2^31-1 over 2 blocks of tensors: named before any per-layer name is built (it
+  took the machine's memory)."""
+  import time
+  path = _write_with_header(tmp_path / "blocks.gguf", block_count=2 ** 31 - 1)
+  t0 = time.perf_counter()
+  with pytest.raises(CheckpointError, match=r"llama\.block_count is 2147483647.*tensors of 2 "
+                     r"blocks \(blk\.0 \.\. blk\.1\)") as info:
+    from_pretrained(path)
+  assert str(path) in str(info.value) and time.perf_counter() - t0 < 10
+  with pytest.raises(CheckpointError, match=r"block_count is 3.*tensors of 2 blocks"):
+    from_pretrained(_write_with_header(tmp_path / "three.gguf", block_count=3))
+
+
+@pytest.mark.parametrize("fields,key", [
+    # No head dimension in the header: embedding_length // head_count (a ZeroDivisionError).
+    (dict(head_count=0, rope_dimension_count=None), "attention.head_count"),
+    (dict(head_count=6, rope_dimension_count=None), "attention.head_count"),   # 64 % 6
+    (dict(head_count=0), "attention.head_count"),
+    (dict(head_count_kv=0), "attention.head_count_kv"),
+    (dict(head_count_kv=3), "attention.head_count_kv"),         # does not divide head_count 4
+    (dict(embedding_length=0), "embedding_length"),
+    (dict(embedding_length=1 << 30), "embedding_length"),       # larger than any tensor
+    (dict(feed_forward_length=0), "feed_forward_length"),
+    (dict(rope_dimension_count=0), "rope.dimension_count"),
+    (dict(rope_dimension_count=15), "rope.dimension_count"),    # odd: RoPE rotates pairs
+    (dict(context_length=0), "context_length"),
+    (dict(vocab_size=10 ** 9), "vocab_size"),
+])
+def test_header_sizes_used_in_shapes_are_validated(tmp_path, fields, key):
+  path = _write_with_header(tmp_path / "header.gguf", **fields)
+  with pytest.raises(CheckpointError, match=rf"metadata llama\.{re.escape(key)} is") as info:
+    from_pretrained(path)
+  assert str(path) in str(info.value) and "re-convert" in str(info.value)

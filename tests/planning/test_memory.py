@@ -185,7 +185,7 @@ def _random_trajectory(rng, b, seq, vocab) -> Trajectory:
       reward=z((b, t), jnp.float32), solved=jnp.asarray(rng.random((b, t)) < 0.5),
       action_length=jnp.full((b, t), 3, jnp.int32), turn_start=z((b, t), jnp.int32),
       action_tokens=z((b, t, 4), jnp.int32), action_tokens_len=jnp.full((b, t), 3, jnp.int32),
-      state_id=z((b, t, 2), jnp.uint32),
+      state_id=z((b, t, 2), jnp.uint32), obs_truncated=z((b, t), bool),
       success_turn=jnp.full((b,), t + 1, jnp.int32), num_turns=jnp.full((b,), t, jnp.int32),
       budget=jnp.full((b,), t, jnp.int32), task_id=jnp.repeat(jnp.arange(b // 2), 2),
       group_id=jnp.repeat(jnp.arange(b // 2), 2), status=jnp.full((b,), 3, jnp.int32),
