@@ -86,8 +86,12 @@ def _evaluated(run_dir: pathlib.Path) -> bool:
   return (run_dir / "eval" / layout.eval_dir_name(phase, step) / "report.json").exists()
 
 
-def run(config, workdir) -> dict:
-  """Runs (or continues) the whole study in `workdir`; returns the comparison summary."""
+def run(config, workdir, *, programs=None) -> dict:
+  """Runs (or continues) the whole study in `workdir`; returns the comparison summary.
+
+  programs: compiled functions to reuse (`jaxagent.runs.programs.Programs` of the config's model
+    and environment, e.g. those of an earlier `run` in the same process); default new ones.
+  """
   workdir = pathlib.Path(workdir)
   workdir.mkdir(parents=True, exist_ok=True)
   sections.validate(config)
@@ -109,7 +113,7 @@ def run(config, workdir) -> dict:
   # One set of compiled functions for every run: they share the model config and environment.
   first_base = base_labels(config)[0]
   base_config = runs[first_base][0]
-  programs = programs_for(base_config, *setup.load_skeleton(base_config))
+  programs = programs_for(base_config, *setup.load_skeleton(base_config), programs)
   for label, (c, run_dir) in runs.items():
     t0 = time.perf_counter()
     if (run_dir / "DONE").exists():

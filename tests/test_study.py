@@ -10,7 +10,9 @@ from configs.default import get_config
 from jaxagent import study
 from jaxagent.eval import evidence
 from jaxagent.runs import config as sections
+from jaxagent.runs import setup
 from jaxagent.runs.config import ConfigError
+from jaxagent.runs.programs import programs_for
 
 
 @pytest.mark.slow
@@ -20,7 +22,14 @@ def test_study_smoke_end_to_end(tmp_path):
   # One turn-level credit arm rides along (trained with gigpo through the real rollout's state
   # fingerprints, reported against the standard arm).
   config.study.credit_arms = "gigpo:advantage=gigpo"
-  summary = study.run(config, tmp_path)
+  # Evaluation batches of a training batch's shape (2 tasks x 4 episodes): the evaluation runs
+  # the program the generous arms' RL compiled (T_max 4) instead of compiling its own.
+  config.eval.tasks_per_batch = config.rl.num_tasks
+  assert config.eval.num_samples == config.rl.group_size
+  # One set of compiled programs for the study and its restart, as one process would hold them.
+  programs = programs_for(config, *setup.load_skeleton(config))
+  summary = study.run(config, tmp_path, programs=programs)
+  print("programs built", programs.compiles)
   report = tmp_path / "report"
   for name in ("comparison.md", "comparison.json"):
     assert (report / name).stat().st_size > 0
@@ -63,10 +72,12 @@ def test_study_smoke_end_to_end(tmp_path):
   assert metrics and all("anchor_group_size" in m for m in metrics)
   assert comp["rules"]["margins"]["min_seeds"] == 2
   assert set(summary["claims"]) == set(comp["claims"])
-  # Restarting the finished study redoes nothing but the comparison.
+  # Restarting the finished study redoes nothing but the comparison (which builds no program).
   before = {p: p.stat().st_mtime for p in tmp_path.glob("*/eval/*/report.json")}
-  study.run(config, tmp_path)
+  compiled = programs.compiles, programs.rollouts.traces
+  study.run(config, tmp_path, programs=programs)
   assert {p: p.stat().st_mtime for p in tmp_path.glob("*/eval/*/report.json")} == before
+  assert (programs.compiles, programs.rollouts.traces) == compiled
 
 
 def test_study_refuses_evaluation_that_hides_a_visible_budget(tmp_path):
