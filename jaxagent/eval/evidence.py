@@ -99,10 +99,10 @@ class Estimate:
 
   def interval(self, confidence: float) -> dict:
     """{"est", "lo", "hi"}: with influence values the model's t interval (and "se", its
-    critical value "q", "units"), else the percentile interval of the samples (not widened: a
+    critical value "q", "units") when there are 2 units or more, else the percentile interval of the samples (not widened: a
     skewed bootstrap may leave est outside it); lo/hi None where neither holds data."""
     f = self.fit()
-    if f is not None:
+    if f is not None and f.units >= 2:     # one seed (a single run): the tasks' bootstrap
       if not (np.isfinite(f.se) and f.se > 0):
         return {"est": float(self.est), "lo": None, "hi": None, "units": f.units}
       lo, hi = seedmodel.interval(self.est, f, confidence)
