@@ -1,5 +1,8 @@
 """The five claims of docs/STUDY.md, each decided by a rule fixed before the numbers
-(`jaxagent.eval.evidence`: seed-and-task bootstrap, conditions "X > c", Holm).
+(`jaxagent.eval.evidence`: the seed-level model of `seedmodel`, conditions "X > c", Holm). Each
+claim is decided on its primary conditions (the paper's definitions, pre-registered in
+docs/STUDY.md and `jaxagent.eval.power.PLAN`); its secondary conditions (the stricter or other-
+scale statistics) get their own decision beside it, never the verdict.
 
     out = decide_claims(StudyData(...), rules, num_bootstrap=1000, seed=0)
 
@@ -22,7 +25,7 @@ from typing import Callable
 
 import numpy as np
 
-from jaxagent.eval import evidence, recovery
+from jaxagent.eval import evidence, recovery, seedmodel
 from jaxagent.eval.evidence import INCONCLUSIVE, Condition, Estimate, Rules
 
 CLAIMS = {
@@ -43,9 +46,10 @@ def rules_text(r: Rules) -> dict[int, str]:
   return {
       1: f"Decided on the standard RL arm. Pass@(1,T); T_tight per task = the smallest evaluated "
          f"T >= that task's optimal number of turns, T_gen = the largest evaluated T; gain(T) = "
-         f"Pass_RL(1,T) - Pass_base(1,T). Held iff gain(T_gen) > {e:g} and gain(T_gen) - "
-         f"gain(T_tight) > {e:g} are both shown. Gains are also reported per T, absolute and as a "
-         f"share of the headroom 1 - Pass_base(1,T).",
+         f"Pass_RL(1,T) - Pass_base(1,T). Primary (absolute scale, the paper's points): held iff "
+         f"gain(T_gen) > {e:g} and gain(T_gen) - gain(T_tight) > {e:g} are both shown. Secondary "
+         f"(headroom scale): the same with share(T) = gain(T) / (1 - Pass_base(1,T)). Gains are "
+         f"also reported per T on both scales.",
       2: f"Decided on the standard RL arm. d_rec = controlled recovery (valid next call, sampled) "
          f"on the common error states whose error needs a different action (tool_failure, "
          f"precondition_failed, wrong_answer), RL - base; d_step = step quality (valid call, "
@@ -58,17 +62,17 @@ def rules_text(r: Rules) -> dict[int, str]:
          f"task, for every f (within the margin of the best fixed-T arm at every budget), d_step_m > -{ni:g} (keeps step quality, as claim 2's "
          f"d_step) and d_step_m - d_step_f > -{ni:g} for every f (no larger step-quality decline "
          f"than fixed-T RL) are all shown.",
-      4: f"Decided on the standard RL arm, against a null of seed-to-seed variation. For seed u "
-         f"and RL run r_u's own evaluation trajectories tau: x = log p_r_u(tau) - log p_base(tau) "
-         f"and y = log p_r_u(tau) - log p_r_v(tau), v = the next seed of the same arm (agent "
-         f"tokens only, nats per trajectory). Held iff x - y > {ll:g} is shown: RL's trajectories "
-         f"are more likely under RL than under the base by more than {ll:g} nats beyond what a "
-         f"second training seed of the same method already gives. Needs two seeds. The other "
-         f"direction (the base's trajectories under base and under RL) is reported.",
+      4: f"Decided on the standard RL arm. For seed u and RL run r_u's own evaluation "
+         f"trajectories tau (agent tokens only, nats per trajectory): x = log p_r_u(tau) - log "
+         f"p_base(tau). Primary (the paper's): held iff x > {ll:g} is shown. Secondary (against a "
+         f"null of seed-to-seed variation): x - y > {ll:g}, y = log p_r_u(tau) - log p_r_v(tau), "
+         f"v = the next seed of the same arm (needs two seeds). The other direction (the base's "
+         f"trajectories under base and under RL) is reported.",
       5: f"Decided on the standard RL arm. Controlled recovery (valid next call, sampled) on the "
          f"common error states that need a different action, RL - base: held iff > {e:g} is "
-         f"shown. Every error kind is reported apart, with RL's and the base's rates on the same "
-         f"states (the seed's framing: 41.4% vs 27.2%).",
+         f"shown (primary). Secondary: the same over every error state (format errors too: the "
+         f"paper's 'tool-call errors' read broadly). Every error kind is reported apart, with "
+         f"RL's and the base's rates on the same states (the seed's framing: 41.4% vs 27.2%).",
   }
 
 
@@ -155,7 +159,8 @@ class _Stats:
   def __init__(self, data: StudyData, num_bootstrap: int, seed: int):
     self.d = data
     self.s = data.num_seeds
-    self.r = evidence.Resampler(max(self.s, 1), data.num_tasks, num_bootstrap, seed)
+    self.r = evidence.Resampler(max(self.s, 1), data.num_tasks, num_bootstrap, seed,
+                                seedmodel.unit_groups(max(self.s, 1), len(data.bases)))
 
   def labels(self, arm: str) -> list[str]:
     return self.d.arms[arm] if arm != BASE else [self.d.base_of(u) for u in range(self.s)]
@@ -197,8 +202,12 @@ class _Stats:
     return float(v.mean()) if v.size else float("nan")
 
 
-def _with(rules: Rules, s: int, conditions, **details) -> dict:
+def _with(rules: Rules, s: int, conditions, secondary=None, **details) -> dict:
+  """The decision on the primary `conditions` (the verdict), the `secondary` conditions' own
+  decision beside it ("secondary": reported, never the verdict), and the details' intervals."""
   out = evidence.decide(conditions, rules, s)
+  if secondary is not None:
+    out["secondary"] = evidence.decide(secondary, rules, s)
   conf = rules.confidence
   out["details"] = {k: (v.interval(conf) if isinstance(v, Estimate) else v)
                     for k, v in details.items()}
@@ -206,32 +215,44 @@ def _with(rules: Rules, s: int, conditions, **details) -> dict:
 
 
 def _headroom(gain: Estimate, base: Estimate) -> Estimate:
+  """gain / (1 - base): the gain as a share of the base's headroom, with its bootstrap samples
+  and its linearised influence values (d(g / r) = dg / r + g db / r^2, r = 1 - base)."""
   room, room_s = 1.0 - base.est, 1.0 - base.samples
   with np.errstate(invalid="ignore", divide="ignore"):
-    return Estimate(gain.est / room if room > 0 else float("nan"),
-                    np.where(room_s > 0, gain.samples / np.where(room_s > 0, room_s, 1), np.nan),
-                    gain.tasks)
+    samples = np.where(room_s > 0, gain.samples / np.where(room_s > 0, room_s, 1), np.nan)
+    ok = room > 0 and gain.infl is not None and base.infl is not None
+    infl = gain.infl / room + gain.est * base.infl / room ** 2 if ok else None
+    return Estimate(gain.est / room if room > 0 else float("nan"), samples, gain.tasks, infl,
+                    gain.groups)
 
 
 def claim1(st: _Stats, arm: str, rules: Rules) -> dict:
+  """Primary: absolute gains (the paper's Pass@(K,T) points); secondary: the same conditions on
+  the headroom scale, gain / (1 - Pass_base)."""
   d = st.d
   base = {t: st.pass1(BASE, t) for t in d.t_values}
   gains = {t: st.pass1(arm, t) - base[t] for t in d.t_values}
-  tight = st.pass1(arm, d.t_tight) - st.pass1(BASE, d.t_tight)
+  base_tight = st.pass1(BASE, d.t_tight)
+  tight = st.pass1(arm, d.t_tight) - base_tight
   gen = gains[d.t_gen]
+  share_gen, share_tight = _headroom(gen, base[d.t_gen]), _headroom(tight, base_tight)
   per_budget = {str(t): {"gain": g.interval(rules.confidence),
                          "share_of_headroom": _headroom(g, base[t]).interval(rules.confidence),
                          "pass_base": base[t].est, "pass_rl": base[t].est + g.est}
                 for t, g in gains.items()}
   e = rules.effect
+  details = dict(gain_tight=tight, gain_generous=gen, share_tight=share_tight,
+                 share_generous=share_gen)
   if np.all(np.asarray(d.t_tight) == d.t_gen):
-    out = _with(rules, st.s, [], gain_tight=tight, gain_generous=gen)
+    out = _with(rules, st.s, [], [], **details)
     out["note"] = "T_tight = T_gen for every task: the evaluated budgets cannot test the claim"
   else:
     out = _with(rules, st.s,
                 [Condition(f"gain(T_gen) > {e:g}", gen, e),
                  Condition(f"gain(T_gen) - gain(T_tight) > {e:g}", gen - tight, e)],
-                gain_tight=tight, gain_generous=gen)
+                [Condition(f"share(T_gen) > {e:g}", share_gen, e),
+                 Condition(f"share(T_gen) - share(T_tight) > {e:g}", share_gen - share_tight, e)],
+                **details)
   out["details"]["per_budget"] = per_budget
   return out
 
@@ -276,6 +297,8 @@ def claim3(st: _Stats, arm: str, fixed: list[str], rules: Rules) -> dict:
 
 
 def claim4(st: _Stats, arm: str, rules: Rules) -> dict:
+  """Primary (the paper's): x = log p_RL(tau_RL) - log p_base(tau_RL) > margin; secondary
+  (today's stricter one): x - y > margin, y the same gap to another seed of the arm."""
   labs = st.d.arms[arm]
   s = len(labs)
   x_pairs = [(labs[u], labs[u], st.d.base_of(u)) for u in range(s)]
@@ -283,16 +306,16 @@ def claim4(st: _Stats, arm: str, rules: Rules) -> dict:
   x, rev = st.loglik_gap(x_pairs), st.loglik_gap(back)
   details = dict(rl_vs_base=x, base_trajectories_base_vs_rl=rev,
                  per_token_rl_vs_base=st.token_gap(x_pairs))
+  ll = rules.loglik_nats
+  primary = [Condition(f"x > {ll:g} nats", x, ll)]
   if s < 2:
-    out = _with(rules, s, [], **details)
-    out["note"] = "the seed-to-seed null needs two seeds of the arm"
+    out = _with(rules, s, primary, [], **details)
+    out["secondary"]["note"] = "the seed-to-seed null needs two seeds of the arm"
     return out
   y_pairs = [(labs[u], labs[u], labs[(u + 1) % s]) for u in range(s)]
   y = st.loglik_gap(y_pairs)
-  ll = rules.loglik_nats
-  out = _with(rules, s, [Condition(f"x - y > {ll:g} nats", x - y, ll)], seed_null=y,
-              per_token_seed_null=st.token_gap(y_pairs), **details)
-  return out
+  return _with(rules, s, primary, [Condition(f"x - y > {ll:g} nats", x - y, ll)], seed_null=y,
+               per_token_seed_null=st.token_gap(y_pairs), **details)
 
 
 def claim5(st: _Stats, arm: str, rules: Rules) -> dict:
@@ -309,8 +332,12 @@ def claim5(st: _Stats, arm: str, rules: Rules) -> dict:
         "rate_rl": rl.interval(rules.confidence), "rate_base": base.interval(rules.confidence),
         "difference": (rl - base).interval(rules.confidence)}
   e = rules.effect
-  out = _with(rules, st.s, [Condition(f"d_rec(action errors) > {e:g}", d, e)], d_rec_action=d,
-              rate_rl_action=st.recovery(arm, act), rate_base_action=st.recovery(BASE, act))
+  every = np.ones_like(act)
+  d_all = st.recovery(arm, every) - st.recovery(BASE, every)
+  out = _with(rules, st.s, [Condition(f"d_rec(action errors) > {e:g}", d, e)],
+              [Condition(f"d_rec(every error) > {e:g}", d_all, e)], d_rec_action=d,
+              rate_rl_action=st.recovery(arm, act), rate_base_action=st.recovery(BASE, act),
+              d_rec_every_error=d_all)
   out["details"]["by_error_kind"] = by_kind
   return out
 

@@ -28,7 +28,7 @@ import jax
 import numpy as np
 
 from jaxagent.eval import claims as claims_lib
-from jaxagent.eval import evidence, likelihood, pass_at_kt, plots, report
+from jaxagent.eval import evidence, likelihood, pass_at_kt, plots, power, report
 from jaxagent.eval.checkpoints import recovery_bars
 from jaxagent.eval.evaluator import TRAJ_FIELDS, Evaluator, PolicyAnalyses
 from jaxagent.rollout.budget import Budget
@@ -293,6 +293,7 @@ def comparison_record(rs: RunSet, m: Measured, data: claims_lib.StudyData, decid
                                             "num_tasks", "temperature")},
       "curve_ks": [k for k in e.curve_ks if k <= rep0["eval"]["num_samples"]],
       "claims": {str(k): v for k, v in decided.items()},
+      "plan": power.record(decided),
       "credit": credit,
       "pass_at_kt": {lab: rep["pass_at_kt"] for lab, (rep, _) in rs.evals.items()},
       "reference_states": m.policy.report["reference_states"],
@@ -373,9 +374,12 @@ def compare(runs: dict[str, str], out_dir, config, base: str = "base", *,
 
 
 RULES_METHOD = (
-    "Units: training seeds (seed N of every arm paired) and test tasks; every interval resamples "
-    "seeds, then tasks (with all their episodes and states). A claim is a list of conditions "
-    "'X > c' with thresholds fixed in config.study. Held iff every condition is shown (one-sided "
-    "bootstrap p < alpha); not held iff one is refuted after Holm's correction over the claim's "
-    "conditions; else inconclusive. Too few seeds or tasks is always inconclusive, and a statistic "
-    "that does not vary across resamples neither shows nor refutes its condition.")
+    "Units: SFT bases, training seeds nested in them (seed N of every arm paired) and test tasks "
+    "(crossed). Every interval is the seed-level model's (jaxagent.eval.seedmodel): variance from "
+    "the seeds' (or bases') spread plus the tasks', Student quantiles with units - 1 df for the "
+    "seed part (Cochran-Cox). A claim is a list of primary conditions 'X > c' with thresholds "
+    "fixed in config.study. Held iff every condition is shown (one-sided p < alpha and the exact "
+    "sign-flip test over the units at max(alpha, 2^-units)); not held iff one is refuted after "
+    "Holm's correction over the claim's conditions; else inconclusive. Secondary conditions are "
+    "decided beside, never the verdict. Too few seeds or tasks is always inconclusive, and a "
+    "statistic with no variance neither shows nor refutes its condition.")

@@ -29,10 +29,10 @@ DEFINITIONS = {
                     "greedy and sampled: fraction valid and fraction equal to the oracle's action.",
     "likelihood": "For trajectories of policy A: sum and per-token mean of log-probabilities of the "
                   "agent's tokens only (loss_mask), under A and under B, averaged over trajectories.",
-    "intervals": "Percentile bootstrap that resamples the independent units: tasks (with all "
-                 "their episodes and states) for every rate and Pass@(K,T), and in a study's "
-                 "claims also the training seeds (seeds, then tasks); paired across policies "
-                 "that share the units. Intervals are not widened to hold the estimate.",
+    "intervals": "Per run: percentile bootstrap over tasks (with all their episodes and states) "
+                 "for every rate and Pass@(K,T). A study's claims: the seed-level model "
+                 "(jaxagent.eval.seedmodel), bases and seeds nested, tasks crossed, paired across "
+                 "policies that share the units; Student quantiles with units - 1 df.",
     "error_classes": "Errors that need a different action: tool_failure, precondition_failed, "
                      "wrong_answer. Format errors: parse_error, unknown_tool, bad_arguments (a "
                      "valid re-emitted call fixes them: the skill of step validity).",
@@ -207,11 +207,22 @@ def run_markdown(rep: dict) -> str:
 
 
 def conditions_md(conds: list[dict]) -> list[str]:
-  rows = [[c["condition"], fmt_interval(c), fmt(c["threshold"]), c["tasks"], fmt(c["p_show"]),
-           fmt(c["p_refute"]), "shown" if c["shown"] else "refuted" if c["refuted"] else "-"]
+  rows = [[c["condition"], fmt_interval(c), fmt(c["threshold"]), c["tasks"], c.get("units", "-"),
+           fmt(c["p_show"]), fmt(c["p_refute"]), fmt(c.get("p_exact_show")),
+           "shown" if c["shown"] else "refuted" if c["refuted"] else "-"]
           for c in conds]
-  return table(["condition", "estimate [interval]", "threshold", "tasks", "p(not shown)",
-                "p(not refuted)", "outcome"], rows)
+  return table(["condition", "estimate [interval]", "threshold", "tasks", "units", "p(not shown)",
+                "p(not refuted)", "exact p(not shown)", "outcome"], rows)
+
+
+def plan_md(plan: dict | None) -> list[str]:
+  """The pre-registered plan the comparison was run under, and the power it achieved."""
+  if not plan:
+    return []
+  out = ["## Pre-registered plan and achieved power", ""] + list(plan["lines"])
+  out += table(["claim", "achieved power at the planned effect"],
+               [[k, fmt(v, 2)] for k, v in plan["achieved_power"].items()])
+  return out
 
 
 def _details_md(num: int, det: dict) -> list[str]:
@@ -259,6 +270,7 @@ def comparison_markdown(comp: dict) -> str:
   out += [f"Claim 1's budgets: T_tight = {fmt_budget(comp['budgets']['T_tight'])}, T_gen = "
           f"{comp['budgets']['T_gen']}.", ""]
   out += ["## Verdicts", ""] + verdicts_md(comp["claims"])
+  out += plan_md(comp.get("plan"))
   if comp.get("credit"):
     out += ["## Turn-level credit against the standard arm", ""]
     for arm, d in comp["credit"].items():
@@ -275,6 +287,11 @@ def comparison_markdown(comp: dict) -> str:
       out += [f"#### `{arm}`: {d['verdict']}" + (f" ({d['note']})" if d.get("note") else ""), ""]
       if d["conditions"]:
         out += conditions_md(d["conditions"])
+      sec = d.get("secondary")
+      if sec:
+        out += [f"Secondary (reported, not the verdict): {sec['verdict']}"
+                + (f" ({sec['note']})" if sec.get("note") else ""), ""]
+        out += conditions_md(sec["conditions"]) if sec["conditions"] else []
       out += _details_md(int(num), d["details"])
   out += definitions_md()
   out += ["## Pass@(K,T) per run", ""]

@@ -48,13 +48,14 @@ def test_ratio_equals_brute_force_resampling():
   assert arm.tasks == int(np.sum(sum(p[1] for p in per) > 0))
 
 
-def test_seed_level_is_resampled():
-  """Two seeds with opposite effects: the interval spans both, unlike a task-only bootstrap."""
+def test_seed_level_enters_the_interval():
+  """Two seeds with opposite effects: the model's interval is the Student one with 1 df
+  (0 +/- 12.71 x 0.2), not the range of the two; one seed: the tasks' bootstrap only."""
   tasks = 40
   r = evidence.Resampler(2, tasks, num_bootstrap=400, seed=0)
   per_seed = np.stack([np.full(tasks, 0.2), np.full(tasks, -0.2)])
   i = r.ratio(per_seed).interval(0.95)
-  assert i["lo"] == pytest.approx(-0.2) and i["hi"] == pytest.approx(0.2)
+  assert i["hi"] == pytest.approx(12.7062 * 0.2, rel=1e-4) and i["lo"] == pytest.approx(-i["hi"])
   one = evidence.Resampler(1, tasks, num_bootstrap=400, seed=0)
   j = one.ratio(per_seed[:1]).interval(0.95)
   assert j["lo"] == pytest.approx(0.2) and j["hi"] == pytest.approx(0.2)
@@ -76,17 +77,24 @@ def _effect(true_diff, units, tasks, noise, seed):
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_rule_real_effect_held_no_effect_small_n_inconclusive_opposite_not_held(seed):
+def test_rule_real_effect_held_opposite_not_held(seed):
   held = evidence.decide([evidence.Condition("x > 0.02", _effect(0.3, 3, 100, 0.05, seed),
                                              0.02)], RULES, num_seeds=3)
   assert held["verdict"] == evidence.HELD
-  small = evidence.decide([evidence.Condition("x > 0.02", _effect(0.0, 3, 12, 0.3, seed),
-                                              0.02)], RULES, num_seeds=3)
-  assert small["verdict"] == evidence.INCONCLUSIVE
   opposite = evidence.decide([evidence.Condition("x > 0.02", _effect(-0.3, 3, 100, 0.05, seed),
                                                  0.02)], RULES, num_seeds=3)
   assert opposite["verdict"] == evidence.NOT_HELD
   assert opposite["conditions"][0]["refuted"] and not opposite["conditions"][0]["shown"]
+
+
+def test_no_effect_small_n_is_rarely_held():
+  """No effect, 3 seeds with seed noise 0.3 and 12 tasks: held in at most 2.5% of 300 studies
+  (+ 3 Monte Carlo standard errors, 0.027), and mostly inconclusive. (One of them, seed 1, has
+  three seeds whose effects drew 0.10, 0.25 and 0.10: held, rightly by the data's own light.)"""
+  out = [evidence.decide([evidence.Condition("x > 0.02", _effect(0.0, 3, 12, 0.3, s), 0.02)],
+                         RULES, num_seeds=3)["verdict"] for s in range(300)]
+  assert out.count(evidence.HELD) / 300 <= 0.025 + 0.027
+  assert out.count(evidence.INCONCLUSIVE) / 300 > 0.5
 
 
 def test_too_little_data_is_inconclusive_however_clear():
