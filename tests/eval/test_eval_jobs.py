@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from configs.default import get_config
-from jaxagent.eval import checkpoints, compare, pass_at_kt, report
+from jaxagent.eval import checkpoints, compare, pass_at_kt
 from jaxagent import train
 from jaxagent.eval.evaluator import Evaluator
 from jaxagent.runs import layout

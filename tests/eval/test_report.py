@@ -3,7 +3,6 @@
 import json
 
 import numpy as np
-import pytest
 
 from jaxagent.eval import pass_at_kt, plots, report
 

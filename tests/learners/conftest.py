@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import pytest
 
 from jaxagent.models.config import ModelConfig
+from jaxagent.models.scoring import token_logprobs
 from jaxagent.rollout.trajectory import Status, Trajectory
 
 
@@ -64,6 +65,34 @@ def build_trajectory(*, tokens, length, loss_mask, acted, valid_call, solved, nu
 @pytest.fixture
 def make_trajectory():
   return build_trajectory
+
+
+BATCH, LENGTH, TURNS = 8, 16, 2
+
+
+def build_batch(cfg, params, seed, solved_rows) -> Trajectory:
+  """8 episodes in 4 groups of 2 with random tokens; agent tokens at slots 4..7 and 10..length-1;
+  behaviour log-probs from `params` (ratio 1 at the start, as after a real rollout); rows
+  `solved_rows` solve on their second turn."""
+  b, l, t = BATCH, LENGTH, TURNS
+  rng = np.random.default_rng(seed)
+  tokens = rng.integers(1, cfg.vocab_size, (b, l)).astype(np.int32)
+  length = rng.integers(12, l + 1, (b,)).astype(np.int32)
+  slot = np.arange(l)[None, :]
+  mask = (((slot >= 4) & (slot < 8)) | (slot >= 10)) & (slot < length[:, None])
+  behaviour = np.asarray(token_logprobs(cfg, params, jnp.asarray(tokens), jnp.asarray(length)))
+  solved = np.zeros((b, t), bool)
+  solved[list(solved_rows), 1] = True
+  return build_trajectory(tokens=tokens, length=length, loss_mask=mask.astype(np.float32),
+                          acted=np.ones((b, t), bool), valid_call=np.ones((b, t), bool),
+                          solved=solved, num_turns=np.full((b,), t),
+                          group_id=np.repeat(np.arange(b // 2), 2),
+                          behaviour_logprobs=behaviour * mask)
+
+
+@pytest.fixture
+def make_batch():
+  return build_batch
 
 
 # A decoder small enough that its gradient compiles in a second or two on CPU.

@@ -18,28 +18,11 @@ from jaxagent.learners.update import LearnerConfig, init_train_state, make_updat
 from jaxagent.models import decoder, lora
 from jaxagent.models.scoring import token_logprobs
 
-B, L, T = 8, 16, 2
 LORA = lora.LoraConfig(rank=4, alpha=8.0, targets=lora.TARGETS)
 
 
 def _copy(tree):
   return jax.tree.map(np.asarray, tree)
-
-
-def _traj(make_trajectory, cfg, params, seed, solved_rows):
-  """8 episodes in 4 groups of 2; agent tokens at slots 4.. (as tests/learners/test_update.py)."""
-  rng = np.random.default_rng(seed)
-  tokens = rng.integers(1, cfg.vocab_size, (B, L)).astype(np.int32)
-  length = rng.integers(12, L + 1, (B,)).astype(np.int32)
-  mask = (np.arange(L)[None, :] >= 4) & (np.arange(L)[None, :] < length[:, None])
-  behaviour = np.asarray(token_logprobs(cfg, params, jnp.asarray(tokens), jnp.asarray(length)))
-  solved = np.zeros((B, T), bool)
-  solved[list(solved_rows), 1] = True
-  return make_trajectory(tokens=tokens, length=length, loss_mask=mask.astype(np.float32),
-                         acted=np.ones((B, T), bool), valid_call=np.ones((B, T), bool),
-                         solved=solved, num_turns=np.full((B,), T),
-                         group_id=np.repeat(np.arange(B // 2), 2),
-                         behaviour_logprobs=behaviour * mask)
 
 
 def _only_adapter_moments(opt_state, adapters):
@@ -95,14 +78,14 @@ def test_sft_trains_only_the_adapters(small_model):
     step(state, batch)
 
 
-def test_rl_update_trains_only_the_adapters_with_the_base_as_free_reference(make_trajectory,
+def test_rl_update_trains_only_the_adapters_with_the_base_as_free_reference(make_batch,
                                                                            small_model):
   cfg = LearnerConfig(kl_coef=0.2, kl_estimator="k3", learning_rate=2e-2)
   opt = cfg.make_optimizer()
   update = make_update_fn(cfg, small_model, opt, LORA)
   base = decoder.init_params(small_model, 0)
   before = _copy(base)
-  traj = _traj(make_trajectory, small_model, base, 1, solved_rows=(0, 3, 5))
+  traj = make_batch(small_model, base, 1, solved_rows=(0, 3, 5))
   runs = {}
   # The free reference (no ref_params: the base, adapters off) against an explicit copy of it.
   for name, ref in (("free", None), ("explicit", jax.tree.map(jnp.copy, base))):
@@ -138,11 +121,11 @@ def test_reference_with_adapters_off_equals_the_base(small_model):
   assert np.abs(np.asarray(adapted) - np.asarray(want)).max() > 1e-3
 
 
-def test_full_fine_tuning_takes_no_base(make_trajectory, small_model):
+def test_full_fine_tuning_takes_no_base(make_batch, small_model):
   cfg = LearnerConfig()
   opt = cfg.make_optimizer()
   base = decoder.init_params(small_model, 0)
-  traj = _traj(make_trajectory, small_model, base, 0, solved_rows=(0,))
+  traj = make_batch(small_model, base, 0, solved_rows=(0,))
   state = init_train_state(decoder.init_params(small_model, 0), opt, jax.random.key(0))
   with pytest.raises(ValueError, match="full fine-tuning takes no base"):
     make_update_fn(cfg, small_model, opt)(state, traj, None, base=base)

@@ -28,31 +28,13 @@ def _params(cfg):
   return decoder.init_params(cfg, 0)     # fresh buffers each time: the update donates its state
 
 
-def _batch(make_trajectory, cfg, params, seed, solved_rows):
-  """8 episodes in 4 groups of 2 with random tokens; agent tokens at slots 4..7 and 10..length-1;
-  behaviour log-probs from `params` (ratio 1 at the start, as after a real rollout)."""
-  rng = np.random.default_rng(seed)
-  tokens = rng.integers(1, cfg.vocab_size, (B, L)).astype(np.int32)
-  length = rng.integers(12, L + 1, (B,)).astype(np.int32)
-  slot = np.arange(L)[None, :]
-  mask = (((slot >= 4) & (slot < 8)) | (slot >= 10)) & (slot < length[:, None])
-  behaviour = np.asarray(token_logprobs(cfg, params, jnp.asarray(tokens), jnp.asarray(length)))
-  solved = np.zeros((B, T), bool)
-  solved[list(solved_rows), 1] = True
-  return make_trajectory(tokens=tokens, length=length, loss_mask=mask.astype(np.float32),
-                         acted=np.ones((B, T), bool), valid_call=np.ones((B, T), bool),
-                         solved=solved, num_turns=np.full((B,), T),
-                         group_id=np.repeat(np.arange(B // 2), 2),
-                         behaviour_logprobs=behaviour * mask)
-
-
 def _finite(tree):
   return all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree.leaves(tree)
              if jnp.issubdtype(x.dtype, jnp.floating))
 
 
 @pytest.mark.slow   # compiles the decoder's gradient (most of the time)
-def test_update_structure_steps_no_retrace_determinism_and_progress(make_trajectory, small_model,
+def test_update_structure_steps_no_retrace_determinism_and_progress(make_batch, small_model,
                                                                     monkeypatch):
   """One compiled update (compiling is the slow part on CPU) checked on every count."""
   # Counts traces of the update: episode_rewards is called exactly once per trace.
@@ -65,8 +47,8 @@ def test_update_structure_steps_no_retrace_determinism_and_progress(make_traject
   params = _params(small_model)
   # groups {0,1} {4,5} mixed, {2,3} both solved, {6,7} both failed: rewards mean 1/2, GRPO
   # advantages +-0.5 / (0.5 + eps) in the mixed groups and 0 in the others -> mean |A| = 1/2
-  traj1 = _batch(make_trajectory, small_model, params, 0, solved_rows=(0, 2, 3, 4))
-  traj2 = _batch(make_trajectory, small_model, params, 1, solved_rows=(1, 2, 5, 7))
+  traj1 = make_batch(small_model, params, 0, solved_rows=(0, 2, 3, 4))
+  traj2 = make_batch(small_model, params, 1, solved_rows=(1, 2, 5, 7))
   state = init_train_state(params, opt, jax.random.key(0))
   structure = jax.tree.structure(state)
   shapes = jax.tree.map(lambda x: (x.shape, x.dtype), state)
@@ -125,7 +107,7 @@ def test_update_structure_steps_no_retrace_determinism_and_progress(make_traject
 
 
 @pytest.mark.slow   # compiles the decoder's gradient (most of the time)
-def test_kl_reference_and_group_filter(make_trajectory, small_model):
+def test_kl_reference_and_group_filter(make_batch, small_model):
   cfg = LearnerConfig(loss="reinforce", aggregation="sequence", kl_coef=0.1, kl_estimator="k3",
                       filter_equal_groups=True, entropy_coef=0.01, learning_rate=1e-2,
                       schedule="cosine", warmup_steps=1, end_lr_ratio=0.1)
@@ -136,13 +118,13 @@ def test_kl_reference_and_group_filter(make_trajectory, small_model):
   before = jax.tree.map(np.asarray, state.params)
 
   # every group all-solved or all-failed: nothing to learn, everything filtered, params unchanged
-  flat = _batch(make_trajectory, small_model, ref, 0, solved_rows=(0, 1, 6, 7))
+  flat = make_batch(small_model, ref, 0, solved_rows=(0, 1, 6, 7))
   state, m = update(state, flat, ref)
   assert float(m["kept_fraction"]) == 0.0 and float(m["loss"]) == 0.0
   chex.assert_trees_all_equal(jax.tree.map(np.asarray, state.params), before)
   np.testing.assert_allclose(m["learning_rate"], 1e-2 * 1 / 1)   # warmup step 0: lr * 1/1
 
-  mixed = _batch(make_trajectory, small_model, ref, 1, solved_rows=(0, 3, 5))
+  mixed = make_batch(small_model, ref, 1, solved_rows=(0, 3, 5))
   state, m = update(state, mixed, ref)
   # groups 0, 1, 2 mixed; group 3 (rows 6, 7) all failed -> 3/4 kept
   np.testing.assert_allclose(m["kept_fraction"], 0.75)
@@ -157,7 +139,7 @@ def test_kl_reference_and_group_filter(make_trajectory, small_model):
   assert _finite(state) and _finite(m)
 
 
-def test_reference_offloaded_to_host_gives_the_same_update(make_trajectory, small_model):
+def test_reference_offloaded_to_host_gives_the_same_update(make_batch, small_model):
   """rl.reference_on_host: the frozen reference lives in pinned host memory between updates;
   the update moves it to the device for its reference pass and computes exactly the same."""
   cfg = LearnerConfig(kl_coef=0.2, kl_estimator="k3", learning_rate=1e-2)
@@ -167,7 +149,7 @@ def test_reference_offloaded_to_host_gives_the_same_update(make_trajectory, smal
   host_ref = update_lib.offload_to_host(_params(small_model))
   assert update_lib.on_host(host_ref) and not update_lib.on_host(ref)
   assert {x.sharding.memory_kind for x in jax.tree.leaves(host_ref)} == {"pinned_host"}
-  batch = _batch(make_trajectory, small_model, ref, 1, solved_rows=(0, 3, 5))
+  batch = make_batch(small_model, ref, 1, solved_rows=(0, 3, 5))
   out = {}
   for name, r in (("device", ref), ("host", host_ref)):
     state = init_train_state(_params(small_model), opt, jax.random.key(0))
@@ -179,8 +161,8 @@ def test_reference_offloaded_to_host_gives_the_same_update(make_trajectory, smal
   assert update_lib.on_host(host_ref)                    # still on the host after the updates
 
 
-def test_update_errors(make_trajectory, small_model):
-  traj = _batch(make_trajectory, small_model, _params(small_model), 0, solved_rows=(0,))
+def test_update_errors(make_batch, small_model):
+  traj = make_batch(small_model, _params(small_model), 0, solved_rows=(0,))
   cfg = LearnerConfig(minibatches=3)
   opt = cfg.make_optimizer()
   with pytest.raises(ValueError, match="not divisible into 3 minibatches"):
@@ -259,13 +241,13 @@ def test_optimizer_weight_decay_mask_and_clipping():
   np.testing.assert_allclose(optax.tree.norm(mu), 0.1 * 1.0, rtol=1e-5)      # (1 - b1) * 1
 
 
-def test_bfloat16_ratio_starts_at_one_with_recomputed_old_logprobs(make_trajectory, small_model):
+def test_bfloat16_ratio_starts_at_one_with_recomputed_old_logprobs(make_batch, small_model):
   """In bfloat16 the rollout's log-probs (here: float32 ones, rounded otherwise) differ from the
   update's own forward; "auto" recomputes the old log-probs there, so the first step's ratio is
   exactly 1 and the gap is reported; "rollout" keeps the rollout's, and its ratio is off 1."""
   bf16 = dataclasses.replace(small_model, dtype="bfloat16")         # float32 master weights
   params = _params(bf16)
-  batch = _batch(make_trajectory, small_model, params, 1, solved_rows=(0, 3, 5))
+  batch = make_batch(small_model, params, 1, solved_rows=(0, 3, 5))
   mask = np.asarray(batch.loss_mask)
   own = np.asarray(token_logprobs(bf16, params, batch.tokens, batch.length))
   want_gap = np.sum(np.abs(own - np.asarray(batch.behaviour_logprobs)) * mask) / mask.sum()

@@ -1,7 +1,6 @@
 """Hostile input to runs (issue 37): evaluation trusts the run's own pinned config, a mistyped
 workdir is not created, two runs sharing one data directory, and the cheap validations."""
 
-import json
 import os
 import pathlib
 import subprocess
