@@ -276,7 +276,7 @@ inline V8 ExpV(V8 x) {
   const V8 n = (xc * 1.44269504088896341f + magic) - magic;
   const V8 p = ExpPoly(xc, n);
   const I8 bits = (__builtin_convertvector(n, I8) + 127) << 23;
-  const V8 e = p * reinterpret_cast<const V8&>(bits);
+  const V8 e = p * (V8)bits;                  // the bits reinterpreted: 2^n
   return x <= lo ? Splat(0.0f) : e;
 }
 
