@@ -267,6 +267,13 @@ typedef int32_t I8 __attribute__((vector_size(32)));
 inline V8 Load(const float* p) { return *reinterpret_cast<const V8u*>(p); }
 inline void Store(float* p, V8 v) { *reinterpret_cast<V8u*>(p) = v; }
 inline V8 Splat(float x) { return V8{} + x; }
+// Load into a register that the compiler keeps (an empty asm that "changes" it): reused vectors
+// stay loaded once instead of being folded into every product as a memory operand.
+inline V8 LoadReg(const float* p) {
+  V8 v = Load(p);
+  asm("" : "+x"(v));
+  return v;
+}
 
 // ExpNonPositive on 8 lanes.
 inline V8 ExpV(V8 x) {
@@ -323,7 +330,7 @@ void Scores(const float* qs, const float* kt, int64_t ldk, float* sc, int64_t i0
       for (int64_t d = 0; d < HD; ++d) {
         V8 kv[kCB];
 #pragma GCC unroll 4
-        for (int64_t v = 0; v < kCB; ++v) kv[v] = Load(kt + d * ldk + c0 + 8 * v);
+        for (int64_t v = 0; v < kCB; ++v) kv[v] = LoadReg(kt + d * ldk + c0 + 8 * v);
 #pragma GCC unroll 4
         for (int64_t i = 0; i < RB; ++i) {
           const float qd = qb[i * HD + d];
@@ -354,7 +361,7 @@ void Values(const float* p, const float* vals, int64_t tn, float* acc, int64_t i
       for (int64_t j = 0; j < tn; ++j) {
         V8 vv[HV];
 #pragma GCC unroll 4
-        for (int64_t h = 0; h < HV; ++h) vv[h] = Load(vals + j * HD + h0 + 8 * h);
+        for (int64_t h = 0; h < HV; ++h) vv[h] = LoadReg(vals + j * HD + h0 + 8 * h);
 #pragma GCC unroll 4
         for (int64_t i = 0; i < RB; ++i) {
           const float pij = p[(i0 + i) * kTileC + j];
