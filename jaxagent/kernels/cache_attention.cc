@@ -271,7 +271,9 @@ inline V8 Splat(float x) { return V8{} + x; }
 // stay loaded once instead of being folded into every product as a memory operand.
 inline V8 LoadReg(const float* p) {
   V8 v = Load(p);
-  asm("" : "+x"(v));
+#if defined(__x86_64__) || defined(__i386__)
+  asm("" : "+x"(v));                          // "x": an SSE/AVX register
+#endif
   return v;
 }
 
