@@ -147,8 +147,12 @@ void Pair(const float* q, const float* keys, const float* vals, int64_t n, int64
 
 // The tiled path (head sizes 32, 64, 128): per tile of kTileC slots, the scores of RB queries
 // stay in registers over the head dimension (a small matrix product), then an online softmax per
-// query, then the values' product with RB2 queries' accumulators in registers over the tile. The
-// vectors are GCC's generic 16-float vectors (one AVX-512 register; two AVX2 ones elsewhere).
+// query, then the values' product with RB2 queries' accumulators in registers over the tile.
+// Two builds of the register blocks, chosen by what -march=native gives: with AVX-512, GCC's
+// generic 16-float vectors (one zmm register each, 32 of them); without (AVX2 + FMA hosts such as
+// AMD Zen 3), 8-float vectors (one ymm register each, 16 of them) in blocks that fit 16, where
+// the 16-float blocks spilled (8.1 against 0.72 ms for a 64-row decode layer at head size 32).
+#if defined(__AVX512F__)
 typedef float V16 __attribute__((vector_size(64)));
 typedef float V16u __attribute__((vector_size(64), aligned(4), may_alias));   // unaligned access
 typedef int32_t I16 __attribute__((vector_size(64)));
@@ -194,6 +198,8 @@ inline float HSum(V16 v) {
   return s;
 }
 
+typedef V16 Vec;
+constexpr int64_t kLanes = 16;              // floats per vector
 constexpr int64_t kTileC = 64;              // slots per tile
 constexpr int64_t kNV = kTileC / 16;        // vectors per query's tile of scores
 
@@ -253,6 +259,127 @@ void Values(const float* p, const float* vals, int64_t tn, float* acc, int64_t i
   if constexpr (RB > 1) Values<HD, RB / 2>(p, vals, tn, acc, i0, r);
 }
 
+#else   // no AVX-512: 8-float vectors, register blocks of at most 8 accumulators (16 registers)
+typedef float V8 __attribute__((vector_size(32)));
+typedef float V8u __attribute__((vector_size(32), aligned(4), may_alias));   // unaligned access
+typedef int32_t I8 __attribute__((vector_size(32)));
+
+inline V8 Load(const float* p) { return *reinterpret_cast<const V8u*>(p); }
+inline void Store(float* p, V8 v) { *reinterpret_cast<V8u*>(p) = v; }
+inline V8 Splat(float x) { return V8{} + x; }
+// Load into a register that the compiler keeps (an empty asm that "changes" it): reused vectors
+// stay loaded once instead of being folded into every product as a memory operand.
+inline V8 LoadReg(const float* p) {
+  V8 v = Load(p);
+#if defined(__x86_64__) || defined(__i386__)
+  asm("" : "+x"(v));                          // "x": an SSE/AVX register
+#endif
+  return v;
+}
+
+// ExpNonPositive on 8 lanes.
+inline V8 ExpV(V8 x) {
+  const V8 lo = Splat(-87.0f);
+  const V8 xc = x < lo ? lo : x;
+  const V8 magic = Splat(12582912.0f);       // 1.5 * 2^23: adding it rounds to an integer
+  const V8 n = (xc * 1.44269504088896341f + magic) - magic;
+  const V8 p = ExpPoly(xc, n);
+  const I8 bits = (__builtin_convertvector(n, I8) + 127) << 23;
+  const V8 e = p * (V8)bits;                  // the bits reinterpreted: 2^n
+  return x <= lo ? Splat(0.0f) : e;
+}
+
+// The largest of 8 lanes (a tree of 3 lane shuffles where the compiler has them).
+inline float HMax(V8 v) {
+#if defined(__clang__) || (defined(__GNUC__) && __GNUC__ >= 12)
+  V8 t = __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3);
+  v = v > t ? v : t;
+  t = __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5);
+  v = v > t ? v : t;
+  t = __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6);
+  v = v > t ? v : t;
+  return v[0];
+#else
+  float m = v[0];
+  for (int i = 1; i < 8; ++i) m = std::max(m, v[i]);
+  return m;
+#endif
+}
+inline float HSum(V8 v) {
+  float s = 0.0f;
+  for (int i = 0; i < 8; ++i) s += v[i];
+  return s;
+}
+
+typedef V8 Vec;
+constexpr int64_t kLanes = 8;               // floats per vector
+constexpr int64_t kTileC = 64;              // slots per tile (the online softmax's step)
+constexpr int64_t kNV = kTileC / 8;         // vectors per query's tile of scores
+constexpr int64_t kCB = 4;                  // score vectors (32 slots) per register block
+
+// sc[i, :] = qs[i, :] . kt[:, 0:kTileC] for queries [i0, r), RB at a time (then RB/2, ...), in
+// blocks of RB queries x kCB vectors of slots (8 accumulators, kCB keys, RB broadcasts); kt's
+// rows are ldk floats apart.
+template <int64_t HD, int64_t RB>
+void Scores(const float* qs, const float* kt, int64_t ldk, float* sc, int64_t i0, int64_t r) {
+  for (; i0 + RB <= r; i0 += RB) {
+    const float* qb = qs + i0 * HD;
+    for (int64_t c0 = 0; c0 < kTileC; c0 += kCB * 8) {
+      V8 a[RB][kCB];
+      for (int64_t i = 0; i < RB; ++i) {
+        for (int64_t v = 0; v < kCB; ++v) a[i][v] = Splat(0.0f);
+      }
+      for (int64_t d = 0; d < HD; ++d) {
+        V8 kv[kCB];
+#pragma GCC unroll 4
+        for (int64_t v = 0; v < kCB; ++v) kv[v] = LoadReg(kt + d * ldk + c0 + 8 * v);
+#pragma GCC unroll 4
+        for (int64_t i = 0; i < RB; ++i) {
+          const float qd = qb[i * HD + d];
+#pragma GCC unroll 4
+          for (int64_t v = 0; v < kCB; ++v) a[i][v] += qd * kv[v];
+        }
+      }
+      for (int64_t i = 0; i < RB; ++i) {
+        for (int64_t v = 0; v < kCB; ++v) Store(sc + (i0 + i) * kTileC + c0 + 8 * v, a[i][v]);
+      }
+    }
+  }
+  if constexpr (RB > 1) Scores<HD, RB / 2>(qs, kt, ldk, sc, i0, r);
+}
+
+// acc[i, :] += sum_j p[i, j] vals[j, :] over the tile's tn slots, for queries [i0, r), RB at a
+// time (then RB/2, ...), in blocks of RB queries x 4 vectors (32) of the head dimension.
+template <int64_t HD, int64_t RB>
+void Values(const float* p, const float* vals, int64_t tn, float* acc, int64_t i0, int64_t r) {
+  constexpr int64_t HV = 4;
+  static_assert(HD % (8 * HV) == 0, "head size: a multiple of 32");
+  for (; i0 + RB <= r; i0 += RB) {
+    for (int64_t h0 = 0; h0 < HD; h0 += 8 * HV) {
+      V8 a[RB][HV];
+      for (int64_t i = 0; i < RB; ++i) {
+        for (int64_t h = 0; h < HV; ++h) a[i][h] = Load(acc + (i0 + i) * HD + h0 + 8 * h);
+      }
+      for (int64_t j = 0; j < tn; ++j) {
+        V8 vv[HV];
+#pragma GCC unroll 4
+        for (int64_t h = 0; h < HV; ++h) vv[h] = LoadReg(vals + j * HD + h0 + 8 * h);
+#pragma GCC unroll 4
+        for (int64_t i = 0; i < RB; ++i) {
+          const float pij = p[(i0 + i) * kTileC + j];
+#pragma GCC unroll 4
+          for (int64_t h = 0; h < HV; ++h) a[i][h] += pij * vv[h];
+        }
+      }
+      for (int64_t i = 0; i < RB; ++i) {
+        for (int64_t h = 0; h < HV; ++h) Store(acc + (i0 + i) * HD + h0 + 8 * h, a[i][h]);
+      }
+    }
+  }
+  if constexpr (RB > 1) Values<HD, RB / 2>(p, vals, tn, acc, i0, r);
+}
+#endif
+
 // One (b, k) pair on the tiled path: the same contract as Pair.
 template <int64_t HD>
 void TiledPair(const float* q, const float* keys, const float* vals, int64_t n, int64_t r,
@@ -260,18 +387,23 @@ void TiledPair(const float* q, const float* keys, const float* vals, int64_t n, 
                std::vector<float>& buf, int64_t lc) {
   const int64_t before = n;
   n = lc > 0 ? std::min(n + lc, s) : n;       // the slots any query sees
+#if defined(__AVX512F__)
   constexpr int64_t RB = 4;                              // score rows per register block
   constexpr int64_t RB2 = HD >= 128 ? 2 : 128 / HD;      // value rows per register block
+#else
+  constexpr int64_t RB = 2;
+  constexpr int64_t RB2 = 2;
+#endif
   std::fill(m_out, m_out + r, kNeg);
   std::fill(den_out, den_out + r, 0.0f);
   std::fill(acc_out, acc_out + r * HD, 0.0f);
   if (n <= 0) return;
-  buf.resize(r * HD + r * kTileC + HD * kTileC + 16 * r);
+  buf.resize(r * HD + r * kTileC + HD * kTileC + kLanes * r);
   float* qs = buf.data();
   float* sc = qs + r * HD;
   float* ktail = sc + r * kTileC;
-  float* dens = ktail + HD * kTileC;   // [r, 16]: each query's softmax sum, lane by lane
-  std::fill(dens, dens + 16 * r, 0.0f);
+  float* dens = ktail + HD * kTileC;   // [r, kLanes]: each query's softmax sum, lane by lane
+  std::fill(dens, dens + kLanes * r, 0.0f);
   for (int64_t i = 0; i < r * HD; ++i) qs[i] = q[i] * scale;
   for (int64_t j0 = 0; j0 < n; j0 += kTileC) {
     const int64_t tn = std::min(kTileC, n - j0);
@@ -294,29 +426,29 @@ void TiledPair(const float* q, const float* keys, const float* vals, int64_t n, 
         continue;
       }
       std::fill(row + ti, row + kTileC, kNeg);
-      V16 mx = Load(row);
+      Vec mx = Load(row);
       for (int64_t v = 1; v < kNV; ++v) {
-        const V16 x = Load(row + 16 * v);
+        const Vec x = Load(row + kLanes * v);
         mx = x > mx ? x : mx;
       }
       const float m_new = std::max(m_out[i], HMax(mx));
       const float alpha = ExpNonPositive(m_out[i] - m_new);
-      V16 sum = Splat(0.0f);
+      Vec sum = Splat(0.0f);
       for (int64_t v = 0; v < kNV; ++v) {
-        const V16 e = ExpV(Load(row + 16 * v) - m_new);
-        Store(row + 16 * v, e);
+        const Vec e = ExpV(Load(row + kLanes * v) - m_new);
+        Store(row + kLanes * v, e);
         sum += e;
       }
-      Store(dens + 16 * i, Load(dens + 16 * i) * alpha + sum);   // summed across lanes last
+      Store(dens + kLanes * i, Load(dens + kLanes * i) * alpha + sum);   // summed across lanes last
       m_out[i] = m_new;
       if (alpha != 1.0f) {
         float* a = acc_out + i * HD;
-        for (int64_t d = 0; d < HD; d += 16) Store(a + d, Load(a + d) * alpha);
+        for (int64_t d = 0; d < HD; d += kLanes) Store(a + d, Load(a + d) * alpha);
       }
     }
     Values<HD, RB2>(sc, vals + j0 * HD, tn, acc_out, 0, r);
   }
-  for (int64_t i = 0; i < r; ++i) den_out[i] = HSum(Load(dens + 16 * i));
+  for (int64_t i = 0; i < r; ++i) den_out[i] = HSum(Load(dens + kLanes * i));
 }
 
 using PairFn = void (*)(const float*, const float*, const float*, int64_t, int64_t, int64_t,
@@ -423,6 +555,7 @@ ffi::Error Run(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& q, const float* k_a
 constexpr int64_t kRowsK = 8;
 constexpr int64_t kMaxRows = 16;
 
+#if defined(__AVX512F__)
 // Rows [0, MR) of y (ldy apart) += x[:, k0:k1] @ w[k0:k1, :]: MR accumulators per 16 columns
 // stay in registers while 8 rows of w stream in.
 template <int64_t MR>
@@ -450,6 +583,51 @@ void MatmulRows(const float* x, int64_t ldx, const float* w, int64_t n, int64_t 
     }
   }
 }
+
+#else
+// MR accumulators per 8 columns (MR <= 8: 16 registers), x's block xs [kk, MR] packed (so its
+// broadcasts need no address register each), y's rows n floats apart.
+template <int64_t MR>
+inline void MatmulCols(const float* xs, const float* wb, int64_t n, int64_t kk, float* y,
+                       int64_t j) {
+  V8 a[MR];
+  for (int64_t r = 0; r < MR; ++r) a[r] = Load(y + r * n + j);
+  for (int64_t i = 0; i < kk; ++i) {
+    const V8 wv = Load(wb + i * n + j);
+    for (int64_t r = 0; r < MR; ++r) a[r] += xs[i * MR + r] * wv;
+  }
+  for (int64_t r = 0; r < MR; ++r) Store(y + r * n + j, a[r]);
+}
+
+// Rows [0, MR) of y += x[:, k0:k1] @ w[k0:k1, :], 8 rows of w at a time: per 8 columns, rows
+// [0, 8) then [8, MR) of y, the second block reading the 8 vectors of w again from L1.
+template <int64_t MR>
+void MatmulRows(const float* x, int64_t ldx, const float* w, int64_t n, int64_t k0, int64_t k1,
+                float* y) {
+  constexpr int64_t R1 = MR > 8 ? 8 : MR, R2 = MR - R1;
+  const int64_t nv = n / 8 * 8;
+  float xs1[kRowsK * R1], xs2[kRowsK * (R2 > 0 ? R2 : 1)];
+  for (int64_t kb = k0; kb < k1; kb += kRowsK) {
+    const int64_t kk = std::min(kRowsK, k1 - kb);
+    const float* wb = w + kb * n;
+    for (int64_t i = 0; i < kk; ++i) {
+      for (int64_t r = 0; r < R1; ++r) xs1[i * R1 + r] = x[r * ldx + kb + i];
+      for (int64_t r = 0; r < R2; ++r) xs2[i * R2 + r] = x[(R1 + r) * ldx + kb + i];
+    }
+    for (int64_t j = 0; j < nv; j += 8) {
+      MatmulCols<R1>(xs1, wb, n, kk, y, j);
+      if constexpr (R2 > 0) MatmulCols<R2>(xs2, wb, n, kk, y + R1 * n, j);
+    }
+    for (int64_t j = nv; j < n; ++j) {
+      for (int64_t r = 0; r < MR; ++r) {
+        float acc = 0.0f;
+        for (int64_t i = 0; i < kk; ++i) acc += x[r * ldx + kb + i] * wb[i * n + j];
+        y[r * n + j] += acc;
+      }
+    }
+  }
+}
+#endif
 
 template <int64_t... R>
 void MatmulBlock(int64_t mr, const float* x, int64_t ldx, const float* w, int64_t n, int64_t k0,

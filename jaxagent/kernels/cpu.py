@@ -38,11 +38,17 @@ _SOURCE = pathlib.Path(__file__).with_name("cache_attention.cc")
 _TARGET = "jaxagent_cache_attention"
 _WRITE_TARGET = "jaxagent_cache_attention_write"
 _MATMUL_TARGET = "jaxagent_small_matmul"
-_FLAGS = ["-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-w"]
+# JAXAGENT_KERNEL_MARCH (default native) builds for another -march, e.g. x86-64-v3 (AVX2 + FMA,
+# no AVX-512) to test or time the kernel's AVX2 path on an AVX-512 host; the library's hash
+# includes the flags.
+_FLAGS = ["-O3", f"-march={os.environ.get('JAXAGENT_KERNEL_MARCH', 'native')}", "-std=c++17",
+          "-shared", "-fPIC", "-w"]
 if platform.machine().lower() in ("x86_64", "amd64"):
   # GCC's x86 default prefers 256-bit vectors even where AVX-512 exists. The tiled path's explicit
-  # 16-float vectors are AVX-512 either way; this is for the generic loop's auto-vectorised code
-  # (single-threaded on the benchmark machine: 68.5 -> 60.2 ms for 2048 one-query pairs).
+  # vectors are 16 floats with AVX-512 and 8 without (cache_attention.cc) either way; this is for
+  # the generic loop's auto-vectorised code (single-threaded on the benchmark machine: 68.5 ->
+  # 60.2 ms for 2048 one-query pairs). Without AVX-512 it is a no-op (GCC 12.2, -march=znver3:
+  # the same machine code with and without it), so it stays on every x86 host.
   _FLAGS.append("-mprefer-vector-width=512")
 # Head sizes with the kernel's register-tiled path; others take a generic loop that is fast
 # enough for one query per row but not for query chunks (`decoder._use_kernel`).

@@ -1,12 +1,16 @@
 """The CPU cache-attention kernel: its softmax partials against float64 numpy (ragged, empty and
-full rows, every compiled head size and the generic one), the decoder's kernel path against its
-XLA paths, rollouts that are token for token the XLA path's on all four environments, and how
-the path is chosen and what a missing compiler does."""
+full rows, every compiled head size and the generic one; on x86-64 both the host's build and the
+build without AVX-512, so each vector code path is checked on any machine), the decoder's kernel
+path against its XLA paths, rollouts that are token for token the XLA path's on all four
+environments, and how the path is chosen and what a missing compiler does."""
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
+import platform
 import re
+import subprocess
 
 import jax
 import jax.numpy as jnp
@@ -19,6 +23,43 @@ from jaxagent.models import attention, decoder, from_pretrained
 from jaxagent.models.config import ATTENTION_ENV
 from jaxagent.models.scoring import score, token_logprobs
 from jaxagent.rollout import rollout
+
+
+_NO_AVX512 = ("jaxagent_test_noavx512_attention", "jaxagent_test_noavx512_write",
+              "jaxagent_test_noavx512_matmul")
+
+
+def _builds():
+  """The kernel's builds whose results the float64 checks compare: the host's (-march=native),
+  and on x86-64 also the one without AVX-512 (-mno-avx512f), the 8-float-vector code path that
+  AVX2-only hosts (AMD Zen 3) compile, so an AVX-512 machine's run checks both paths (on an
+  AVX2 host the two are the same build)."""
+  return ["native", "no-avx512"] if platform.machine().lower() in ("x86_64", "amd64") else \
+      ["native"]
+
+
+@pytest.fixture(params=_builds())
+def build(request, monkeypatch, tmp_path_factory):
+  """Points cpu's custom calls at the named build of the kernel for this test (traced calls read
+  the target names; each test jits a fresh closure, so no trace of another build is reused)."""
+  cpu.load()
+  if request.param == "no-avx512":
+    if not _REGISTERED_OTHER:
+      out = tmp_path_factory.mktemp("kernel") / "no_avx512.so"
+      res = subprocess.run(["g++", *cpu._FLAGS, "-mno-avx512f", f"-I{jax.ffi.include_dir()}",
+                            str(cpu._SOURCE), "-o", str(out)], capture_output=True, text=True)
+      assert res.returncode == 0, res.stderr[-2000:]
+      lib = ctypes.cdll.LoadLibrary(str(out))
+      for name, fn in zip(_NO_AVX512, (lib.JaxagentCacheAttention,
+                                       lib.JaxagentCacheAttentionWrite, lib.JaxagentSmallMatmul)):
+        jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(fn), platform="cpu")
+      _REGISTERED_OTHER.append(lib)
+    for attr, name in zip(("_TARGET", "_WRITE_TARGET", "_MATMUL_TARGET"), _NO_AVX512):
+      monkeypatch.setattr(cpu, attr, name)
+  return request.param
+
+
+_REGISTERED_OTHER: list = []    # the no-AVX-512 library, once registered in this process
 
 
 def _reference(q, k, v, length):
@@ -38,7 +79,7 @@ def _reference(q, k, v, length):
 # heads; 13 and 7 leave remainders of every register block size); 24 the generic one.
 @pytest.mark.parametrize("hd, r", [(32, 2), (64, 5), (128, 1), (24, 3), (32, 64), (64, 13),
                                    (128, 7), (24, 9)])
-def test_partials_equal_float64_reference(hd, r):
+def test_partials_equal_float64_reference(hd, r, build):
   rng = np.random.default_rng(hd + r)
   layers, b, kh, s = 3, 9, 2, 77          # S not a multiple of the 64-slot (or 32-slot) tiles
   q = rng.normal(size=(b, kh, r, hd)).astype(np.float32)
@@ -47,7 +88,8 @@ def test_partials_equal_float64_reference(hd, r):
   # Empty, tiny, the tiles' edges, and full (its last tile runs past the capacity).
   length = np.array([0, 1, 31, 32, 63, 64, 65, 76, s], np.int32)
   for layer in (0, 2):
-    m, den, acc = jax.jit(cpu.cache_attention_partials)(q, k_all, v_all, layer, length)
+    m, den, acc = jax.jit(lambda *a: cpu.cache_attention_partials(*a))(q, k_all, v_all, layer,
+                                                                         length)
     rm, rden, racc = _reference(q, k_all[layer], v_all[layer], length)
     np.testing.assert_allclose(np.asarray(m), rm, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(np.asarray(den), rden, rtol=1e-5)
@@ -95,7 +137,7 @@ def _causal_reference(q, k, v, length, l):
 # to 70 positions, crossing the 64-slot tiles, with 1 to 3 query heads per kv head.
 @pytest.mark.parametrize("hd, g, l", [(32, 2, 3), (64, 1, 70), (128, 3, 5), (32, 2, 1),
                                       (24, 2, 1), (32, 1, 25)])
-def test_write_puts_the_chunk_in_place_then_reads_causally(hd, g, l):
+def test_write_puts_the_chunk_in_place_then_reads_causally(hd, g, l, build):
   """`cache_attention_write`: the chunk's keys and values at slots [length, length + L) of the
   one layer, dropped past the capacity, every other slot and layer as it was; then each query's
   partials over the written cache up to its own slot, against float64."""
@@ -108,7 +150,8 @@ def test_write_puts_the_chunk_in_place_then_reads_causally(hd, g, l):
   v_new = rng.normal(size=(b, kh, l, hd)).astype(np.float32)
   # Empty, a tile's edge, mid-tile, and rows whose chunk overruns the capacity.
   length = np.array([0, 63, 100, s - l, s - 1, s], np.int32)
-  got = jax.jit(cpu.cache_attention_write)(q, k_all, v_all, 1, length, k_new, v_new)
+  got = jax.jit(lambda *a: cpu.cache_attention_write(*a))(q, k_all, v_all, 1, length, k_new,
+                                                        v_new)
   k_ref, v_ref = k_all.copy(), v_all.copy()
   for i, n in enumerate(length):
     for j in range(min(l, s - n)):
@@ -124,15 +167,16 @@ def test_write_puts_the_chunk_in_place_then_reads_causally(hd, g, l):
     cpu.cache_attention_write(q, k_all, v_all, 1, length, k_new[:, :, :, :16], v_new)
 
 
-# Rows 1 to 17 (past one 16-row register block), K not a multiple of the 8-row groups or split
-# evenly over the threads, N with and without a tail past the 16-column vectors.
+# Rows 1 to 17 (past one 16-row register block; 12: an 8-row and a 4-row block of the AVX2 path),
+# K not a multiple of the 8-row groups or split evenly over the threads, N with and without a
+# tail past the 16- (8-) column vectors.
 @pytest.mark.parametrize("m, k, n", [(1, 100, 48), (3, 40, 37), (8, 768, 256), (16, 130, 17),
-                                     (17, 64, 160), (5, 7, 5)])
-def test_small_matmul_equals_float64_product(m, k, n):
+                                     (17, 64, 160), (5, 7, 5), (12, 96, 44)])
+def test_small_matmul_equals_float64_product(m, k, n, build):
   rng = np.random.default_rng(m * k + n)
   x = rng.normal(size=(m, k)).astype(np.float32)
   w = rng.normal(size=(k, n)).astype(np.float32)
-  got = np.asarray(jax.jit(cpu.small_matmul)(x, w))
+  got = np.asarray(jax.jit(lambda *a: cpu.small_matmul(*a))(x, w))
   np.testing.assert_allclose(got, x.astype(np.float64) @ w, rtol=1e-4, atol=1e-4 * np.sqrt(k))
   with pytest.raises(ValueError, match="small_matmul"):
     cpu.small_matmul(x, w[:-1])
