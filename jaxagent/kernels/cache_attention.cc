@@ -755,3 +755,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxagentSmallMatmul, SmallMatmulImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
+
+// Floats per vector of this build (16: the AVX-512 path; 8: AVX2). Python reads it to keep XLA's
+// own few-row products on 8-lane builds, where they measured faster than SmallMatmul.
+extern "C" int JaxagentVectorLanes() { return static_cast<int>(kLanes); }

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import pathlib
 import platform
 import re
 import subprocess
@@ -461,3 +462,24 @@ def _made_in_loop(hlo: str, shape: str) -> list[str]:
                               r"|bitcast)", line):
       made.append(line.strip()[:120])
   return made
+
+
+def test_the_build_reports_its_vector_width_and_decode_products_follow_it(build, micro,
+                                                                          monkeypatch):
+  """16 lanes on AVX-512 builds, 8 on AVX2 ones; kernel decode steps take the few-row product
+  only on 16-lane builds (on 8-lane ones XLA's products measured 2-3x faster)."""
+  flags = pathlib.Path("/proc/cpuinfo").read_text() if pathlib.Path("/proc/cpuinfo").exists() \
+      else ""
+  if build == "no-avx512":
+    assert _REGISTERED_OTHER[0].JaxagentVectorLanes() == 8
+  else:
+    assert cpu.vector_lanes() == (16 if " avx512f" in flags else 8)
+  cfg = _at(micro, "kernel").config
+  params = decoder.for_decode(cfg, micro.params)
+  cache = decoder.init_cache(cfg, 2, 16)
+  for lanes, small in ((16, True), (8, False)):
+    monkeypatch.setattr(cpu, "vector_lanes", lambda lanes=lanes: lanes)
+    step = lambda p, c: decoder.apply(cfg, p, jnp.ones((2, 1), jnp.int32), cache=c)[0]  # new trace
+    text = jax.jit(step).lower(params, cache).as_text()
+    assert (cpu._MATMUL_TARGET in text) == small
+    assert cpu._WRITE_TARGET in text
