@@ -18,7 +18,7 @@ from jax.experimental import multihost_utils
 import jaxagent.envs as envs
 from jaxagent.data import demos as demo_data
 from jaxagent.data import tasks as task_data
-from jaxagent.models import ModelConfig, Policy, from_pretrained
+from jaxagent.models import ModelConfig, Policy, attention, from_pretrained
 from jaxagent.models.policy import load_config_and_tokenizer
 from jaxagent.rollout.api import max_transcript_len
 from jaxagent.runs import layout
@@ -54,10 +54,12 @@ def config_devices(config) -> list:
 
 def preflight(config) -> None:
   """What needs the model's config and tokenizer (not its weights), checked before any compute
-  and before the run's config is pinned: the model path, the device count, and that the RL
-  budget's rollouts fit the model's context (`check_context`)."""
+  and before the run's config is pinned: the model path, the device count, the attention path
+  (a bad JAXAGENT_CACHE_ATTENTION, or "kernel" where the CPU kernel cannot be built), and that
+  the RL budget's rollouts fit the model's context (`check_context`)."""
   config_devices(config)
   model_config, tokenizer = load_skeleton(config)     # a mistyped model path raises here
+  attention.kernel_enabled(model_config.attention)    # "kernel" without a compiler raises here
   if config.rl.steps > 0:
     c = rl_config(config)
     check_context(model_config, make_env(config, tokenizer), c.budget.max_turns,

@@ -90,6 +90,26 @@ def test_bad_configs_fail_before_compute_and_are_not_pinned(tmp_path, overrides,
   assert not (w / "data").exists()           # nothing was built (SFT data, demos)
 
 
+@pytest.mark.parametrize("env,message", [
+    ({"JAXAGENT_CACHE_ATTENTION": "bogus"}, r"JAXAGENT_CACHE_ATTENTION='bogus'.*unset it"),
+    ({"JAXAGENT_CACHE_ATTENTION": "kernel", "CXX": "no-such-compiler-xyz"},
+     r"no C\+\+ compiler 'no-such-compiler-xyz'"),
+])
+def test_a_bad_attention_path_fails_before_compute(tmp_path, monkeypatch, env, message):
+  """The attention switch's environment default, and "kernel" where the kernel cannot be built,
+  are checked before any compute (they used to surface after SFT, at the first rollout)."""
+  from jaxagent import train
+  from jaxagent.kernels import cpu
+  monkeypatch.setattr(cpu, "_STATE", {})
+  monkeypatch.setenv("JAXAGENT_KERNEL_DIR", str(tmp_path / "kernels"))
+  for k, v in env.items():
+    monkeypatch.setenv(k, v)
+  w = tmp_path / "run"
+  with pytest.raises(Exception, match=message):
+    train.run(_smoke(), w)
+  assert not (w / CONFIG_FILE).exists() and not (w / "data").exists()
+
+
 def test_a_workdir_that_is_a_file_is_named(tmp_path):
   from jaxagent import train
   f = tmp_path / "run.txt"
