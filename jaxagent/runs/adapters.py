@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from jaxagent.checkpoint import Checkpointer, IncompatibleCheckpointError
 from jaxagent.models import lora
 from jaxagent.models.config import ModelConfig
-from jaxagent.models.lora_io import BASE_FINGERPRINT_KEY, base_fingerprint, check_base
+from jaxagent.models.lora_io import BASE_FINGERPRINT_KEY, base_fingerprint
 from jaxagent.runs import layout
 from jaxagent.sharding.mesh import tree_shardings
 
@@ -120,6 +120,21 @@ def run_base(init_from: str, policy_params: dict, cfg: ModelConfig, lcfg: lora.L
         f"base {want!r}; point config.model.path at the base they were trained on")
   adapters = layout.restore_params(init_from, phase, step, abstract_adapters(cfg, lcfg, mesh))
   return policy_params, adapters
+
+
+def check_base(ckpt, fingerprint: str) -> None:
+  """Raises `IncompatibleCheckpointError` naming both fingerprints unless the newest checkpoint
+  of Checkpointer `ckpt` (if any) holds adapters of the base `fingerprint`."""
+  step = ckpt.latest_step()
+  if step is None:
+    return
+  saved = ckpt.restore_meta(step).get(BASE_FINGERPRINT_KEY)
+  if saved != fingerprint:
+    raise IncompatibleCheckpointError(
+        f"{ckpt.directory} holds LoRA adapters (step {step}) of another base model: saved "
+        f"{BASE_FINGERPRINT_KEY} {saved!r}, this run's base {fingerprint!r}. Adapters only fit "
+        "the weights they were trained on: load that base (config.model.path / init_from) or "
+        "use a new --workdir")
 
 
 def check_workdir(ckpt: Checkpointer, lcfg: lora.LoraConfig, fingerprint: str | None) -> None:
