@@ -336,6 +336,7 @@ def _start_params(cfg: sections.RunConfig, policy: Policy):
                  frozen.fingerprint, f" (from {init_from})" if init_from else "")
     return params, frozen
   if init_from:
+    adapters.refuse_adapter_init(init_from)
     params, phase, step = layout.latest_params(init_from, layout.abstract_params(policy.params))
     logging.info("initialised from %s (%s step %d)", init_from, phase, step)
     return params, None

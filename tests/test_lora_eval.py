@@ -20,9 +20,10 @@ def _save(workdir, phase, step, params, meta):
     ckpt.save(step, {"params": params, "step": jnp.int32(step)}, meta=meta)
 
 
-def test_restore_policy_full_and_adapter_checkpoints(tmp_path):
+@pytest.mark.parametrize("devices", [1, 8])
+def test_restore_policy_full_and_adapter_checkpoints(tmp_path, devices):
   config = get_config("smoke")
-  config.num_devices = 1
+  config.num_devices = devices
   policy = setup.load_policy(config)
   cfg, base = policy.config, policy.params
   ad = adapters.init_adapters(cfg, LCFG, jax.random.key(0), policy.mesh)
@@ -38,6 +39,10 @@ def test_restore_policy_full_and_adapter_checkpoints(tmp_path):
   assert not loads and not lora.adapted(full["layers"])
   got = adapters.restore_policy(tmp_path, "rl", 3, abstract, cfg, loader, policy.mesh)
   assert loads == [1]
+  # The adapters land with their base matrices' shardings (over fsdp on 8 devices).
+  want = adapters.abstract_adapters(cfg, LCFG, policy.mesh)
+  for name, ab in got["layers"]["lora"].items():
+    assert ab.a.sharding == want[name]["a"].sharding and ab.b.sharding == want[name]["b"].sharding
   tokens = jnp.arange(1, 9, dtype=jnp.int32)[None]
   want_logits, _ = decoder.apply(cfg, lora.attach(base, ad, LCFG), tokens)
   got_logits, _ = decoder.apply(cfg, got, tokens)

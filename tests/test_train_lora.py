@@ -111,3 +111,7 @@ def test_lora_resume_on_another_base_or_kind_is_refused(tmp_path, monkeypatch):
   with pytest.raises(IncompatibleCheckpointError,
                      match=r"LoRA adapter checkpoints .*lora\.rank=0"):
     train.run(_config(0, 2, data, **{"model.lora.rank": 0}), work, allow_config_change=True)
+  # Full fine-tuning from an adapter workdir: refused, naming the keys that continue them.
+  with pytest.raises(ValueError, match=r"holds LoRA adapters .*config\.model\.lora\.rank=4"):
+    train.run(_config(0, 1, data, **{"model.lora.rank": 0, "model.init_from": str(work)}),
+              tmp_path / "full")

@@ -122,6 +122,19 @@ def run_base(init_from: str, policy_params: dict, cfg: ModelConfig, lcfg: lora.L
   return policy_params, adapters
 
 
+def refuse_adapter_init(init_from: str) -> None:
+  """Full fine-tuning (rank 0) from init_from: refused, naming the fix, when its newest
+  checkpoint holds adapters (they are not a full set of weights)."""
+  found = _latest(init_from) if layout.checkpoint_dir(init_from, "sft").parent.is_dir() else None
+  if found is not None and config_from_meta(found[2]) is not None:
+    lcfg = config_from_meta(found[2])
+    raise ValueError(
+        f"config.model.init_from={init_from} holds LoRA adapters ({found[0]} step {found[1]}, "
+        f"rank {lcfg.rank}) but config.model.lora.rank=0: set config.model.lora.rank={lcfg.rank} "
+        f"and config.model.lora.targets={','.join(lcfg.targets)!r} to continue them, or merge "
+        "them first (jaxagent.models.lora_io.export_merged) and load that as config.model.path")
+
+
 def check_base(ckpt, fingerprint: str) -> None:
   """Raises `IncompatibleCheckpointError` naming both fingerprints unless the newest checkpoint
   of Checkpointer `ckpt` (if any) holds adapters of the base `fingerprint`."""
