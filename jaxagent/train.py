@@ -7,6 +7,12 @@ tasks, budgets and keys (folded from the seed and s). A finished phase is not re
 saves a checkpoint and exits cleanly. Per step: one line in `<workdir>/metrics.jsonl`, TensorBoard
 scalars, and a progress bar. The workdir layout is `jaxagent.runs.layout`'s.
 
+With LoRA (config.model.lora.rank > 0) the train state holds the adapters and their optimizer
+state only; the frozen base is loaded once and passed to every step (`jaxagent.runs.adapters`),
+rollouts use base + adapters, and checkpoints hold the adapters with the base's fingerprint (a
+resume on another base is refused). RL continues the SFT adapters on the same base; its KL
+reference is the policy it starts from (base + a frozen copy of those adapters).
+
 The config is read once, into its typed sections (`jaxagent.runs.config.RunConfig`), and those
 are what the phases get; the raw config is only pinned to the workdir and handed to the set-up of
 the policy and its compiled programs (`jaxagent.runs.setup`, shared with evaluation).
@@ -38,10 +44,11 @@ from jaxagent.data import tasks as task_data
 from jaxagent.learners.logger import MetricsLog, check_finite
 from jaxagent.learners.update import TrainState, init_train_state, offload_to_host
 from jaxagent.models import Policy
+from jaxagent.models.lora import LoraConfig
 from jaxagent.rollout.stats import trajectory_stats
 from jaxagent.rollout.trajectory import trim
 from jaxagent.runs import config as sections
-from jaxagent.runs import layout, setup
+from jaxagent.runs import adapters, layout, setup
 from jaxagent.runs.lock import WorkdirLock
 from jaxagent.runs.pinning import pin_config
 from jaxagent.runs.programs import Programs, programs_for
@@ -63,12 +70,17 @@ def _state_dict(state: TrainState) -> dict:
 class _Phase:
   """Checkpointing, metrics, progress and preemption for one phase."""
 
-  def __init__(self, name: str, run: sections.RunSection, workdir, fingerprint, total_steps: int):
+  def __init__(self, name: str, run: sections.RunSection, workdir, fingerprint, total_steps: int,
+               frozen: adapters.FrozenBase | None = None):
     self.name, self.total = name, total_steps
     self.ckpt = Checkpointer(layout.checkpoint_dir(workdir, name), max_to_keep=run.max_to_keep,
                              save_interval_steps=run.checkpoint_every)
     self.ckpt.check_compatible(fingerprint)
+    # LoRA: checkpoints of adapters on this base only (another base refused, both named).
+    adapters.check_workdir(self.ckpt, frozen.lcfg if frozen else LoraConfig(),
+                           frozen.fingerprint if frozen else None)
     self.fingerprint = fingerprint
+    self.lora_meta = frozen.meta() if frozen else {}
 
   def restore(self, state: TrainState) -> tuple[TrainState, int]:
     """(state, step) of the newest intact checkpoint of the phase (damaged newer ones are
@@ -108,7 +120,8 @@ class _Phase:
 
   def save(self, step: int, state: TrainState, force=False):
     self.ckpt.save(step, _state_dict(state), meta={"phase": self.name, "step": step,
-                                                   FINGERPRINT_KEY: self.fingerprint}, force=force)
+                                                   FINGERPRINT_KEY: self.fingerprint,
+                                                   **self.lora_meta}, force=force)
 
 
 class DivergenceError(RuntimeError):
@@ -156,14 +169,16 @@ def _show_progress(run: sections.RunSection) -> bool:
 
 
 def run_sft(cfg: sections.RunConfig, workdir, policy: Policy, programs: Programs, params,
-            fingerprint) -> Any:
-  """The SFT phase (cfg.sft) on the noisy-oracle demonstrations; returns the final params."""
+            fingerprint, frozen: adapters.FrozenBase | None = None) -> Any:
+  """The SFT phase (cfg.sft) on the noisy-oracle demonstrations; returns the final params.
+  With `frozen` (LoRA) `params` and the result are the adapters, trained on frozen.params."""
   c, seed = cfg.sft, cfg.run.seed
-  phase = _Phase("sft", cfg.run, workdir, fingerprint, c.steps)
+  phase = _Phase("sft", cfg.run, workdir, fingerprint, c.steps, frozen)
   done = phase.finished_params(params)
   if done is not None:
     return done
-  optimizer, step_fn = programs.sft_step(c)
+  optimizer, step_fn = programs.sft_step(c, frozen.lcfg if frozen else None)
+  base = (frozen.params,) if frozen else ()        # read in place by every step, never copied
   state = init_train_state(params, optimizer, jax.random.key(seed), mesh=policy.mesh)
   state, start = phase.restore(state)
   demos = setup.load_demos(cfg.data, cfg.env, workdir, policy.tokenizer, "train", seed=seed)
@@ -179,7 +194,7 @@ def run_sft(cfg: sections.RunConfig, workdir, policy: Policy, programs: Programs
       idx = perm[(pos + np.arange(c.batch_size)) % n]
       batch = {k: jnp.asarray(demos[k][idx]) for k in ("tokens", "loss_mask", "length")}
       t0 = time.perf_counter()
-      state, metrics = step_fn(state, batch)
+      state, metrics = step_fn(state, batch, *base)
       metrics = jax.device_get(metrics)
       check_finite(s + 1, metrics)
       stall.check(s + 1, metrics)
@@ -197,21 +212,31 @@ def run_sft(cfg: sections.RunConfig, workdir, policy: Policy, programs: Programs
 
 
 def run_rl(cfg: sections.RunConfig, workdir, policy: Policy, programs: Programs, params,
-           fingerprint) -> Any:
-  """The RL phase (cfg.rl) on the train split's tasks; returns the final params."""
+           fingerprint, frozen: adapters.FrozenBase | None = None) -> Any:
+  """The RL phase (cfg.rl) on the train split's tasks; returns the final params. With `frozen`
+  (LoRA) `params` and the result are the adapters (continued from SFT's, or fresh), trained on
+  frozen.params; the KL reference is the policy RL starts from: the base with adapters off when
+  they are fresh (B = 0), else the base with a frozen copy of the starting adapters (an
+  adapter-sized copy, never a second base)."""
   c, seed = cfg.rl, cfg.run.seed
   lcfg = c.learner
   setup.check_context(policy.config, programs.env, c.budget.max_turns, c.max_action_tokens,
                       "config.rl.budget / config.rl.max_action_tokens")
-  phase = _Phase("rl", cfg.run, workdir, fingerprint, c.steps)
+  phase = _Phase("rl", cfg.run, workdir, fingerprint, c.steps, frozen)
   done = phase.finished_params(params)
   if done is not None:
     return done
-  optimizer, update = programs.update(lcfg, c.steps * lcfg.optimizer_steps_per_update)
+  optimizer, update = programs.update(lcfg, c.steps * lcfg.optimizer_steps_per_update,
+                                      frozen.lcfg if frozen else None)
   # A copy: the update donates the train state, whose params start as these arrays.
   ref_params = jax.tree.map(jnp.copy, params) if lcfg.kl_coef > 0 else None
-  if ref_params is not None and c.reference_on_host:
+  if frozen is not None:
+    ref_params = (None if ref_params is None or adapters.all_zero_b(params)
+                  else frozen.policy(ref_params))
+  elif ref_params is not None and c.reference_on_host:
     ref_params = offload_to_host(ref_params)
+  base = {"base": frozen.params} if frozen else {}
+  as_policy = frozen.policy if frozen else (lambda p: p)
   state = init_train_state(params, optimizer, jax.random.key(seed + 2), mesh=policy.mesh)
   state, start = phase.restore(state)
   train = setup.load_tasks(cfg.data, cfg.env, workdir, "train")
@@ -227,13 +252,13 @@ def run_rl(cfg: sections.RunConfig, workdir, policy: Policy, programs: Programs,
       tasks = task_data.tasks_from_arrays(programs.env,
                                           _batch_slice(train, s * c.num_tasks, c.num_tasks))
       t0 = time.perf_counter()
-      traj = programs.rollouts(state.params, k_roll, tasks, c.group_size, budgets,
+      traj = programs.rollouts(as_policy(state.params), k_roll, tasks, c.group_size, budgets,
                                mesh=policy.mesh, max_turns=c.budget.max_turns,
                                max_action_tokens=c.max_action_tokens or None,
                                budget_visible=c.budget_visible, temperature=c.temperature)
       stats = jax.device_get(trajectory_stats(traj))
       t1 = time.perf_counter()
-      state, metrics = update(state, trim(traj), ref_params)
+      state, metrics = update(state, trim(traj), ref_params, **base)
       metrics = {**jax.device_get(metrics), **stats}
       check_finite(s + 1, metrics)
       stall.check(s + 1, metrics)
@@ -267,11 +292,6 @@ def run(config: ml_collections.ConfigDict, workdir, *, programs: Programs | None
     raise sections.ConfigError(f"--workdir={workdir} is an existing file, not a directory; pass "
                                "a directory (it is created if missing)")
   cfg = sections.run_config(config)          # every section read and checked, before compute
-  if cfg.model.lora.enabled:
-    raise sections.ConfigError(
-        f"config.model.lora.rank={cfg.model.lora.rank}: launch.train does not train adapters yet "
-        "(issue 40: jaxagent.learners' make_sft_step / make_update_fn do, given a LoraConfig); "
-        "set config.model.lora.rank=0 for full fine-tuning")
   setup.preflight(config)          # before anything is computed or pinned
   workdir.mkdir(parents=True, exist_ok=True)
   primary = distributed.is_primary()
@@ -288,18 +308,40 @@ def _run_phases(config, cfg: sections.RunConfig, workdir: pathlib.Path,
   policy = setup.load_policy(config)
   programs = programs_for(config, policy.config, policy.tokenizer, programs)
   fingerprint = model_fingerprint(policy.config)
-  params = policy.params
-  init_from = cfg.model.init_from
-  if init_from:
-    params, phase, step = layout.latest_params(init_from, layout.abstract_params(params))
-    logging.info("initialised from %s (%s step %d)", init_from, phase, step)
+  params, frozen = _start_params(cfg, policy)
   summary = {"workdir": str(workdir)}
+  if frozen is not None:
+    summary.update(lora_rank=frozen.lcfg.rank, base_fingerprint=frozen.fingerprint)
   if cfg.sft.steps > 0:
-    params = run_sft(cfg, workdir, policy, programs, params, fingerprint)
+    params = run_sft(cfg, workdir, policy, programs, params, fingerprint, frozen)
     summary["sft_steps"] = cfg.sft.steps
   if cfg.rl.steps > 0:
-    params = run_rl(cfg, workdir, policy, programs, params, fingerprint)
+    # LoRA: RL continues the SFT adapters on the same base (no merge: one base, one fingerprint
+    # for every checkpoint of the run).
+    params = run_rl(cfg, workdir, policy, programs, params, fingerprint, frozen)
     summary["rl_steps"] = cfg.rl.steps
   if primary:
     (workdir / "DONE").write_text(json.dumps(summary) + "\n")
   return summary
+
+
+def _start_params(cfg: sections.RunConfig, policy: Policy):
+  """(trainable params, FrozenBase or None): the model's weights or cfg.model.init_from's newest
+  checkpoint; with LoRA (cfg.model.lora.rank > 0) the adapters (init_from's, or fresh) and the
+  frozen base (`jaxagent.runs.adapters.run_base`)."""
+  init_from, lcfg = cfg.model.init_from, cfg.model.lora
+  if lcfg.enabled:
+    base, params = adapters.run_base(init_from, policy.params, policy.config, lcfg, policy.mesh)
+    if params is None:
+      params = adapters.init_adapters(policy.config, lcfg, jax.random.key(cfg.run.seed + 4),
+                                      policy.mesh)
+    frozen = adapters.FrozenBase(lcfg, base)
+    logging.info("LoRA rank %d on %s: base %s%s", lcfg.rank, ",".join(lcfg.targets),
+                 frozen.fingerprint, f" (from {init_from})" if init_from else "")
+    return params, frozen
+  if init_from:
+    adapters.refuse_adapter_init(init_from)
+    params, phase, step = layout.latest_params(init_from, layout.abstract_params(policy.params))
+    logging.info("initialised from %s (%s step %d)", init_from, phase, step)
+    return params, None
+  return policy.params, None

@@ -95,10 +95,6 @@ def test_bad_config_fails_before_compute(tmp_path):
   with pytest.raises(ValueError, match="not an environment"):
     train.run(_rl_only(1, **{"env.name": "chess"}), tmp_path / "c")
   assert not (tmp_path / "a" / "checkpoints").exists()
-  with pytest.raises(ValueError, match=r"config\.model\.lora\.rank=4: launch\.train does not "
-                     r"train adapters yet"):
-    train.run(_rl_only(1, **{"model.lora.rank": 4}), tmp_path / "d")
-  assert not (tmp_path / "d").exists() or not any((tmp_path / "d").iterdir())
 
 
 def _launch(workdir, *flags):

@@ -5,7 +5,8 @@
     watch(config, workdir, poll_seconds, timeout_seconds)    # each new checkpoint as it lands
 
 Checkpoints are `<workdir>/checkpoints/<phase>/<step>` (`jaxagent.runs.layout`); only the params
-are restored (orbax partial restore), placed with the config's mesh shardings.
+are restored (orbax partial restore), placed with the config's mesh shardings. An adapter (LoRA)
+checkpoint is restored as the base with its adapters (`Evaluator.restore`).
 
 One evaluation writes `<workdir>/eval/<name>/` with name = the step for the RL phase and
 `<phase>_<step>` otherwise:
@@ -53,13 +54,13 @@ def _base_params(ev: Evaluator, config, workdir, phase: str):
   src = config.eval.base_workdir or config.model.init_from
   if src:
     p, s = layout.resolve_checkpoint(src)
-    return (layout.restore_params(src, p, s, ev.abstract), f"{src} ({p} step {s})",
+    return (ev.restore(src, p, s), f"{src} ({p} step {s})",
             (pathlib.Path(src).resolve(), p, s))
   if phase == "rl":
     sft = [ps for ps in layout.checkpoint_steps(workdir) if ps[0] == "sft"]
     if sft:
       p, s = sft[-1]
-      return (layout.restore_params(workdir, p, s, ev.abstract), f"this run's {p} step {s}",
+      return (ev.restore(workdir, p, s), f"this run's {p} step {s}",
               (pathlib.Path(workdir).resolve(), p, s))
   return ev.policy.params, f"the model's own weights ({config.model.path})", None
 
@@ -156,7 +157,7 @@ def _evaluate_checkpoint(config, workdir, step: int | None = None, *,
     timing[name] = now - tick[0]
     tick[0] = now
 
-  params = layout.restore_params(workdir, phase, step, ev.abstract)
+  params = ev.restore(workdir, phase, step)
   base_params, base_desc, base_ckpt = _base_params(ev, config, workdir, phase)
   # The checkpoint evaluated is the base itself (e.g. the study's base run): same params, so the
   # base's rollouts (same keys) are the policy's own.

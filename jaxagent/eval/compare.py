@@ -216,8 +216,7 @@ def measure(rs: RunSet, config, e: sections.EvalConfig, programs=None) -> Measur
   test_arrays = {k[len("task/"):]: v for k, v in eps0.items() if k.startswith("task/")}
   ev = Evaluator(config, test_arrays=test_arrays, programs=programs)
   vis = bool(rep0["eval"]["budget_visible"])
-  params = {lab: layout.restore_params(rs.workdirs[lab], rep["run"]["phase"], rep["run"]["step"],
-                                       ev.abstract)
+  params = {lab: ev.restore(rs.workdirs[lab], rep["run"]["phase"], rep["run"]["step"])
             for lab, (rep, _) in rs.evals.items()}
   trajs = {lab: _traj_from(eps) for lab, (_, eps) in rs.evals.items()}
   _, k_oracle, k_act = jax.random.split(jax.random.key(e.seed), 3)

@@ -27,7 +27,7 @@ from jaxagent.models.policy import param_shardings
 from jaxagent.rollout.stats import trajectory_stats
 from jaxagent.rollout.trajectory import Trajectory
 from jaxagent.runs import config as sections
-from jaxagent.runs import setup
+from jaxagent.runs import adapters, setup
 from jaxagent.runs.programs import Programs, programs_for
 
 TRAJ_FIELDS = tuple(f.name for f in dataclasses.fields(Trajectory))
@@ -126,6 +126,10 @@ class Evaluator:
     self.abstract = jax.tree.map(
         lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
         decoder.abstract_params(self.model_config)[1], shardings)
+    # The base of adapter (LoRA) checkpoints: config.model.init_from's full checkpoint, else the
+    # model's own weights; read on the first adapter checkpoint restored (`restore`).
+    self.lora_base = adapters.base_loader(config.model.init_from, lambda: self.policy.params,
+                                          self.abstract)
     # Rollouts that several evaluations share (the base policy's and the oracle's), by key.
     self._memo: dict = {}
     # More environments for step-level quality by environment (config.eval.extra_envs).
@@ -139,6 +143,13 @@ class Evaluator:
     if self._policy is None:
       self._policy = setup.load_policy(self.config)
     return self._policy
+
+  def restore(self, workdir, phase: str, step: int) -> dict:
+    """The policy params of checkpoint (phase, step) of `workdir`, placed on the config's mesh:
+    a full checkpoint's params, or for an adapter (LoRA) checkpoint the base with its adapters
+    attached (`jaxagent.runs.adapters.restore_policy`; another base is refused)."""
+    return adapters.restore_policy(workdir, phase, step, self.abstract, self.model_config,
+                                   self.lora_base, self.mesh)
 
   def memo(self, key, compute):
     """compute() once per key for this evaluator (e.g. the base policy's runs, which every RL

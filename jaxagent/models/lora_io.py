@@ -1,7 +1,8 @@
 """Adapters on disk: the base fingerprint their checkpoints carry, PEFT export, merged export.
+(Refusing a checkpoint of another base is `jaxagent.runs.adapters.check_base`: checkpoints sit
+above models in the layering.)
 
     meta[BASE_FINGERPRINT_KEY] = base_fingerprint(base)   # saved with each adapter checkpoint
-    check_base(ckpt, base_fingerprint(base))              # before resuming; raises on another
     export_peft(out_dir, model_cfg, lcfg, adapters)       # adapter_config.json + safetensors
     export_merged(out_dir, model_cfg, base, adapters, lcfg)   # full HF checkpoint, W + s A @ B
 
@@ -23,7 +24,7 @@ import jax
 import numpy as np
 
 from jaxagent.models import hf_io, lora
-from jaxagent.models.config import CheckpointError, ModelConfig
+from jaxagent.models.config import ModelConfig
 from jaxagent.models.safetensors_io import save_file
 
 # Meta key of an adapter checkpoint: `base_fingerprint` of the base its adapters belong to.
@@ -44,21 +45,6 @@ def base_fingerprint(params: dict) -> str:
     h.update(f"{jax.tree_util.keystr(path)}|{x.shape}|{x.dtype}|".encode())
     h.update(np.ascontiguousarray(sample).tobytes())
   return h.hexdigest()[:16]
-
-
-def check_base(ckpt, fingerprint: str) -> None:
-  """Raises `CheckpointError` naming both fingerprints unless the newest checkpoint
-  of Checkpointer `ckpt` (if any) holds adapters of the base `fingerprint`."""
-  step = ckpt.latest_step()
-  if step is None:
-    return
-  saved = ckpt.restore_meta(step).get(BASE_FINGERPRINT_KEY)
-  if saved != fingerprint:
-    raise CheckpointError(
-        f"{ckpt.directory} holds LoRA adapters (step {step}) of another base model: saved "
-        f"{BASE_FINGERPRINT_KEY} {saved!r}, this run's base {fingerprint!r}. Adapters only fit "
-        "the weights they were trained on: load that base (config.model.path / init_from) or "
-        "use a new --workdir")
 
 
 def _module(name: str) -> str:

@@ -23,6 +23,7 @@ import optax
 from jaxagent.learners import sft as sft_lib
 from jaxagent.learners.update import LearnerConfig, make_optimizer, make_update_fn
 from jaxagent.models.config import ModelConfig
+from jaxagent.models.lora import LoraConfig
 from jaxagent.rollout import replay as replay_lib
 from jaxagent.rollout.api import Rollouts
 from jaxagent.runs import setup
@@ -59,23 +60,28 @@ class Programs:
       self._built[kind] += 1
     return self._fns[kind, key]
 
-  def update(self, learner: LearnerConfig, total_steps: int):
+  def update(self, learner: LearnerConfig, total_steps: int, lora: LoraConfig | None = None):
     """(optimizer, jitted RL update) for `learner` over a run of `total_steps` optimizer steps
-    (the cosine schedule needs them)."""
+    (the cosine schedule needs them); with `lora` enabled it trains adapters on a frozen base
+    (`make_update_fn`)."""
+    lora = lora if lora is not None and lora.enabled else None
     def build():
       optimizer = learner.make_optimizer(total_steps=total_steps)
-      return optimizer, make_update_fn(learner, self.model_config, optimizer)
-    return self._get("update", (learner, total_steps), build)
+      return optimizer, make_update_fn(learner, self.model_config, optimizer, lora)
+    return self._get("update", (learner, total_steps, lora), build)
 
-  def sft_step(self, sft: SFTConfig) -> tuple[optax.GradientTransformation, object]:
-    """(optimizer, jitted SFT step): AdamW with linear warmup and cosine decay over sft.steps."""
+  def sft_step(self, sft: SFTConfig,
+               lora: LoraConfig | None = None) -> tuple[optax.GradientTransformation, object]:
+    """(optimizer, jitted SFT step): AdamW with linear warmup and cosine decay over sft.steps;
+    with `lora` enabled it trains adapters on a frozen base (`make_sft_step`)."""
+    lora = lora if lora is not None and lora.enabled else None
     def build():
       optimizer = make_optimizer(
           learning_rate=sft.learning_rate, schedule="cosine", warmup_steps=sft.warmup_steps,
           total_steps=sft.steps, end_lr_ratio=0.0, weight_decay=sft.weight_decay,
           max_grad_norm=sft.max_grad_norm, b1=0.9, b2=0.999, eps=1e-8)
-      return optimizer, sft_lib.make_sft_step(self.model_config, optimizer)
-    return self._get("sft_step", sft, build)
+      return optimizer, sft_lib.make_sft_step(self.model_config, optimizer, lora)
+    return self._get("sft_step", (sft, lora), build)
 
   def replay(self, budget_visible: bool):
     """Jitted replay of recorded actions (`jaxagent.rollout.replay.make_replay_fn`)."""

@@ -12,11 +12,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxagent.checkpoint.errors import IncompatibleCheckpointError
 from jaxagent.checkpoint.manager import Checkpointer
 from jaxagent.learners import sft as sft_lib
 from jaxagent.learners.update import LearnerConfig, init_train_state
 from jaxagent.models import decoder, from_pretrained, lora, lora_io
-from jaxagent.models.config import CheckpointError, ModelConfig
+from jaxagent.models.config import ModelConfig
+from jaxagent.runs import adapters
 
 FAMILY_NAMES = ["qwen2_tied", "qwen3_untied", "llama3_untied"]   # see conftest.FAMILIES
 LORA = lora.LoraConfig(rank=4, alpha=8.0, targets=lora.TARGETS)
@@ -115,9 +117,9 @@ def test_adapter_checkpoint_resumes_exactly_and_refuses_another_base(tmp_path):
   abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
                           as_dict(fresh()))
   with Checkpointer(tmp_path / "ck", max_to_keep=2, save_interval_steps=1) as ck:
-    lora_io.check_base(ck, fp)
-    with pytest.raises(CheckpointError) as e:
-      lora_io.check_base(ck, lora_io.base_fingerprint(other))
+    adapters.check_base(ck, fp)
+    with pytest.raises(IncompatibleCheckpointError) as e:
+      adapters.check_base(ck, lora_io.base_fingerprint(other))
     assert fp in str(e.value) and lora_io.base_fingerprint(other) in str(e.value)
     assert "another base model" in str(e.value)
     restored, at = ck.restore_latest(abstract)

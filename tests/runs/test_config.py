@@ -80,7 +80,7 @@ def test_variants_build(variant):
   assert rc.eval_config(c).max_turns == c.eval.max_turns
 
 
-@pytest.mark.parametrize("variant", ["cpu", "gpu"])
+@pytest.mark.parametrize("variant", ["cpu", "gpu", "lora"])
 def test_smollm2_variants_build(variant):
   c = smollm2.get_config(variant)
   rc.validate(c)
@@ -90,7 +90,8 @@ def test_smollm2_variants_build(variant):
   assert (st.tight_budget, st.generous_budget, st.mix_budget) == (
       "fixed:4", "fixed:8", "mix:3,4,6,8")
   assert st.seeds >= 2
-  with pytest.raises(ValueError, match="use cpu or gpu"):
+  assert rc.run_config(c).model.lora.enabled == (variant == "lora")
+  with pytest.raises(ValueError, match="use cpu, gpu or lora"):
     smollm2.get_config("tpu")
 
 

@@ -1,0 +1,117 @@
+"""The training loop with LoRA (config.model.lora.rank > 0): adapters only in the train state and
+checkpoints, the frozen base untouched, SFT -> RL hand-over, exact resume, another base refused."""
+
+import json
+
+import jax
+import numpy as np
+import pytest
+
+from configs.default import get_config
+from jaxagent import train
+from jaxagent.checkpoint import Checkpointer, IncompatibleCheckpointError
+from jaxagent.models import lora
+from jaxagent.models.lora_io import BASE_FINGERPRINT_KEY, base_fingerprint
+from jaxagent.runs import adapters, layout, setup
+from jaxagent.runs.programs import programs_for
+
+RANK = 4
+
+
+def _config(sft_steps, rl_steps, data, **over):
+  c = get_config("smoke")
+  c.sft.steps, c.rl.steps = sft_steps, rl_steps
+  c.checkpoint_every = 1
+  c.num_devices = 1
+  c.data.dir = str(data)
+  c.model.lora.rank = RANK
+  for k, v in over.items():
+    node = c
+    *path, last = k.split(".")
+    for p in path:
+      node = node[p]
+    node[last] = v
+  return c
+
+
+def _lines(workdir):
+  out = []
+  for line in (workdir / "metrics.jsonl").read_text().splitlines():
+    d = json.loads(line)
+    d.pop("timing")
+    out.append(d)
+  return out
+
+
+def _adapters(workdir, phase, config, policy):
+  """The newest checkpoint's params of `phase`, restored as adapters (fails on a full one)."""
+  ckpt = Checkpointer.reader(layout.checkpoint_dir(workdir, phase))
+  step = ckpt.latest_step()
+  meta = ckpt.restore_meta(step)
+  ckpt.close()
+  lcfg = adapters.config_from_meta(meta)
+  abstract = adapters.abstract_adapters(policy.config, lcfg, policy.mesh)
+  return jax.tree.map(np.asarray, layout.restore_params(workdir, phase, step, abstract)), meta
+
+
+def test_lora_train_loop_hands_over_and_resumes_exactly(tmp_path):
+  data = tmp_path / "data"
+  full, split = tmp_path / "full", tmp_path / "split"
+  one_mb = {"rl.learner.minibatches": 1}
+  config = _config(2, 2, data, **one_mb)
+  # kl_coef > 0 (the smoke default): RL's reference is the base with the SFT adapters.
+  assert config.rl.learner.kl_coef > 0
+  policy = setup.load_policy(config)
+  base_before = jax.tree.map(np.asarray, policy.params)
+  programs = programs_for(config, policy.config, policy.tokenizer)
+  done = train.run(config, full, programs=programs)
+  assert done["lora_rank"] == RANK and done["base_fingerprint"] == base_fingerprint(policy.params)
+  # Stopped after RL step 1 (a checkpoint), resumed with the full length: the same run.
+  train.run(_config(2, 1, data, **one_mb), split, programs=programs)
+  train.run(_config(2, 2, data, **one_mb), split, programs=programs)
+  a, b = _lines(full), _lines(split)
+  assert [(l["phase"], l["step"]) for l in a] == [("sft", 1), ("sft", 2), ("rl", 1), ("rl", 2)]
+  assert a == b
+  sft_ad, sft_meta = _adapters(full, "sft", config, policy)
+  rl_ad, meta = _adapters(full, "rl", config, policy)
+  jax.tree.map(np.testing.assert_array_equal, rl_ad, _adapters(split, "rl", config, policy)[0])
+  # Checkpoints hold adapters only, with the base's fingerprint and the adapters' settings.
+  assert sorted(rl_ad) == sorted(lora.LoraConfig(rank=RANK).targets)
+  assert meta[BASE_FINGERPRINT_KEY] == sft_meta[BASE_FINGERPRINT_KEY] == done["base_fingerprint"]
+  assert meta[adapters.LORA_KEY]["rank"] == RANK
+  # SFT trained the adapters (B moved off zero), RL continued them, the base never moved.
+  assert all(np.any(ab["b"] != 0) for ab in sft_ad.values())
+  assert any(np.any(rl_ad[k]["b"] != sft_ad[k]["b"]) for k in rl_ad)
+  jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, policy.params),
+               base_before)
+  # The RL reference was the SFT policy (base + SFT adapters), not the bare base: the first
+  # update (one minibatch) scores the KL at the starting params, exactly 0 (against the bare
+  # base it would be > 0: SFT moved every B above).
+  rl = [l for l in a if l["phase"] == "rl"]
+  assert rl[0]["kl"] == 0.0
+  # The optimizer state is adapter-sized: every array leaf of a checkpoint's state is no larger
+  # than the largest adapter.
+  ckpt = Checkpointer.reader(layout.checkpoint_dir(full, "rl"))
+  saved = ckpt._saved_state_tree(ckpt.latest_step())
+  ckpt.close()
+  biggest = max(x.size for x in jax.tree.leaves(rl_ad))
+  shapes = [getattr(x, "shape", None) for x in jax.tree.leaves(saved)]
+  assert all(int(np.prod(s)) <= biggest for s in shapes if s is not None)
+
+
+def test_lora_resume_on_another_base_or_kind_is_refused(tmp_path, monkeypatch):
+  data = tmp_path / "data"
+  work = tmp_path / "w"
+  train.run(_config(0, 1, data), work)
+  ours = json.loads((work / "DONE").read_text())["base_fingerprint"]
+  monkeypatch.setattr(adapters, "base_fingerprint", lambda params: "0123456789abcdef")
+  with pytest.raises(IncompatibleCheckpointError, match=rf"{ours}.*0123456789abcdef"):
+    train.run(_config(0, 2, data), work)
+  monkeypatch.undo()
+  with pytest.raises(IncompatibleCheckpointError,
+                     match=r"LoRA adapter checkpoints .*lora\.rank=0"):
+    train.run(_config(0, 2, data, **{"model.lora.rank": 0}), work, allow_config_change=True)
+  # Full fine-tuning from an adapter workdir: refused, naming the keys that continue them.
+  with pytest.raises(ValueError, match=r"holds LoRA adapters .*config\.model\.lora\.rank=4"):
+    train.run(_config(0, 1, data, **{"model.lora.rank": 0, "model.init_from": str(work)}),
+              tmp_path / "full")
