@@ -1,7 +1,9 @@
 """Test setup: 8 fake CPU devices for sharding tests, float32 matmuls, a shared tiny tokenizer,
 and a persistent XLA compilation cache."""
 
+import json
 import os
+import pathlib
 import tempfile
 
 # Must be set before jax initialises its backends.
@@ -28,6 +30,21 @@ import jax  # noqa: E402
 import pytest  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
+
+
+def _metrics_lines(workdir) -> list[dict]:
+  """The rows of `<workdir>/metrics.jsonl`, without their wall-clock `timing` (for comparing two
+  runs' metrics exactly)."""
+  rows = [json.loads(line) for line in
+          (pathlib.Path(workdir) / "metrics.jsonl").read_text().splitlines()]
+  for row in rows:
+    row.pop("timing")
+  return rows
+
+
+@pytest.fixture(scope="session")
+def metrics_lines():
+  return _metrics_lines
 
 
 @pytest.fixture(scope="session")

@@ -28,22 +28,8 @@ def _rl_only(steps, **over):
   c.rl.steps = steps
   c.checkpoint_every = 1
   c.num_devices = 1
-  for k, v in over.items():
-    node = c
-    *path, last = k.split(".")
-    for p in path:
-      node = node[p]
-    node[last] = v
+  c.update_from_flattened_dict(over)
   return c
-
-
-def _lines(workdir):
-  out = []
-  for line in (pathlib.Path(workdir) / "metrics.jsonl").read_text().splitlines():
-    d = json.loads(line)
-    d.pop("timing")
-    out.append(d)
-  return out
 
 
 def _params(workdir, config):
@@ -52,7 +38,7 @@ def _params(workdir, config):
   return jax.tree.map(np.asarray, params)
 
 
-def test_resume_is_exact(tmp_path):
+def test_resume_is_exact(tmp_path, metrics_lines):
   data = tmp_path / "data"
   full, split = tmp_path / "full", tmp_path / "split"
   config = _rl_only(4, **{"data.dir": str(data)})
@@ -68,7 +54,7 @@ def test_resume_is_exact(tmp_path):
   other = _rl_only(1, **{"env.difficulty.hops": 2})
   with pytest.raises(ValueError, match="another model or environment"):
     train.run(other, tmp_path / "other", programs=programs)
-  a, b = _lines(full), _lines(split)
+  a, b = metrics_lines(full), metrics_lines(split)
   assert [l["step"] for l in a] == [1, 2, 3, 4]
   assert a == b
   pa, pb = _params(full, _rl_only(4)), _params(split, _rl_only(4))
@@ -82,7 +68,7 @@ def test_resume_is_exact(tmp_path):
   for f in (full / "checkpoints" / "rl" / "4" / "state").rglob("d/*"):
     os.truncate(f, 16)
   train.run(_rl_only(4, **{"data.dir": str(data)}), full)
-  assert _lines(full) == a
+  assert metrics_lines(full) == a
   jax.tree.map(np.testing.assert_array_equal, _params(full, _rl_only(4)), pb)
   assert (full / "checkpoints" / "rl" / "4.damaged").is_dir()     # set aside, not deleted
 

@@ -25,22 +25,8 @@ def _config(sft_steps, rl_steps, data, **over):
   c.num_devices = 1
   c.data.dir = str(data)
   c.model.lora.rank = RANK
-  for k, v in over.items():
-    node = c
-    *path, last = k.split(".")
-    for p in path:
-      node = node[p]
-    node[last] = v
+  c.update_from_flattened_dict(over)
   return c
-
-
-def _lines(workdir):
-  out = []
-  for line in (workdir / "metrics.jsonl").read_text().splitlines():
-    d = json.loads(line)
-    d.pop("timing")
-    out.append(d)
-  return out
 
 
 def _adapters(workdir, phase, config, policy):
@@ -54,7 +40,7 @@ def _adapters(workdir, phase, config, policy):
   return jax.tree.map(np.asarray, layout.restore_params(workdir, phase, step, abstract)), meta
 
 
-def test_lora_train_loop_hands_over_and_resumes_exactly(tmp_path):
+def test_lora_train_loop_hands_over_and_resumes_exactly(tmp_path, metrics_lines):
   data = tmp_path / "data"
   full, split = tmp_path / "full", tmp_path / "split"
   one_mb = {"rl.learner.minibatches": 1}
@@ -69,7 +55,7 @@ def test_lora_train_loop_hands_over_and_resumes_exactly(tmp_path):
   # Stopped after RL step 1 (a checkpoint), resumed with the full length: the same run.
   train.run(_config(2, 1, data, **one_mb), split, programs=programs)
   train.run(_config(2, 2, data, **one_mb), split, programs=programs)
-  a, b = _lines(full), _lines(split)
+  a, b = metrics_lines(full), metrics_lines(split)
   assert [(l["phase"], l["step"]) for l in a] == [("sft", 1), ("sft", 2), ("rl", 1), ("rl", 2)]
   assert a == b
   sft_ad, sft_meta = _adapters(full, "sft", config, policy)
