@@ -219,9 +219,7 @@ def run_rl(cfg: sections.RunConfig, workdir, policy: Policy, programs: Programs,
   they are fresh (B = 0), else the base with a frozen copy of the starting adapters (an
   adapter-sized copy, never a second base)."""
   c, seed = cfg.rl, cfg.run.seed
-  lcfg = c.learner
-  setup.check_context(policy.config, programs.env, c.budget.max_turns, c.max_action_tokens,
-                      "config.rl.budget / config.rl.max_action_tokens")
+  lcfg = c.learner         # the budget's fit in the context: `setup.preflight`, before any phase
   phase = _Phase("rl", cfg.run, workdir, fingerprint, c.steps, frozen)
   done = phase.finished_params(params)
   if done is not None:

@@ -27,7 +27,7 @@ from jaxagent.models.policy import param_shardings
 from jaxagent.rollout.stats import trajectory_stats
 from jaxagent.rollout.trajectory import Trajectory
 from jaxagent.runs import config as sections
-from jaxagent.runs import adapters, setup
+from jaxagent.runs import adapters, layout, setup
 from jaxagent.runs.programs import Programs, programs_for
 
 TRAJ_FIELDS = tuple(f.name for f in dataclasses.fields(Trajectory))
@@ -122,10 +122,8 @@ class Evaluator:
     self.tasks, self.num_tasks = self.main.tasks, self.main.num_tasks
     setup.check_context(self.model_config, self.env, self.max_turns, self.action_tokens,
                         "config.eval.max_turns / config.eval.max_action_tokens")
-    shardings = param_shardings(self.model_config, self.mesh)
-    self.abstract = jax.tree.map(
-        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-        decoder.abstract_params(self.model_config)[1], shardings)
+    self.abstract = layout.placed(decoder.abstract_params(self.model_config)[1],
+                                  param_shardings(self.model_config, self.mesh))
     # The base of adapter (LoRA) checkpoints: config.model.init_from's full checkpoint, else the
     # model's own weights; read on the first adapter checkpoint restored (`restore`).
     self.lora_base = adapters.base_loader(config.model.init_from, lambda: self.policy.params,

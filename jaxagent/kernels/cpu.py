@@ -142,12 +142,13 @@ def ensure_built() -> pathlib.Path:
   """The library's path, building it first if this source/jaxlib/CPU has none yet, or if the
   cached one is damaged or has no checksum (it is rebuilt, with a warning naming the file)."""
   path = library_path()
-  if path.exists() and not _intact(path):
+  if path.exists() and _intact(path):
+    return path
+  if path.exists():
     logging.warning("jaxagent: the cached CPU kernel library %s does not match its checksum "
                     "(damaged, e.g. by a full disk, or built before checksums); rebuilding it",
                     path)
-  if not path.exists() or not _intact(path):
-    _build(path)
+  _build(path)
   return path
 
 

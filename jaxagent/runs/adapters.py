@@ -61,10 +61,8 @@ def abstract_adapters(cfg: ModelConfig, lcfg: lora.LoraConfig, mesh) -> dict:
                         and isinstance(x[0], tuple))
   if mesh is None:               # one device: restored onto the default device
     one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=one), shapes)
-  shardings = tree_shardings(lora.logical_axes(cfg, lcfg), shapes, mesh)
-  return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-                      shapes, shardings)
+    return layout.placed(shapes, jax.tree.map(lambda _: one, shapes))
+  return layout.placed(shapes, tree_shardings(lora.logical_axes(cfg, lcfg), shapes, mesh))
 
 
 def init_adapters(cfg: ModelConfig, lcfg: lora.LoraConfig, key: jax.Array, mesh) -> dict:

@@ -41,8 +41,14 @@ def eval_dir_name(phase: str, step: int) -> str:
 
 def abstract_params(params) -> Any:
   """ShapeDtypeStructs (with shardings) of a params tree, for restoring onto the same layout."""
-  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
-                      params)
+  return placed(params, jax.tree.map(lambda x: x.sharding, params))
+
+
+def placed(shapes, shardings) -> Any:
+  """ShapeDtypeStructs of `shapes` (anything with .shape and .dtype, e.g. an eval_shape tree)
+  placed with the matching leaves of `shardings`: what a checkpoint is restored onto."""
+  return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes,
+                      shardings)
 
 
 def checkpoint_steps(workdir, phase: str = "") -> list[tuple[str, int]]:
