@@ -34,6 +34,8 @@ import tensorflow_datasets as tfds
 import jaxagent.envs as envs
 from jaxagent.data import tasks as task_sets
 from jaxagent.envs import demos as env_demos
+from jaxagent.envs import host_demos
+from jaxagent.envs.host import HostEnv
 
 SPLITS = ("train", "validation")
 _CHUNK = 256
@@ -96,8 +98,8 @@ def demo_set_config(env_name: str, tokenizer, *, task_seed: int = 0, num_train: 
   fingerprint = tokenizer_fingerprint(tokenizer)
   spec = json.dumps([env_name, difficulty, fields], sort_keys=True)
   ident = task_sets.ident
-  name = (f"{env_name}__{task_sets.difficulty_slug(difficulty)}__err{ident(f'{error_rate:g}')}"
-          f"__rec{ident(f'{recovery_rate:g}')}__tok{fingerprint}"
+  name = (f"{task_sets.env_slug(env_name)}__{task_sets.difficulty_slug(difficulty)}"
+          f"__err{ident(f'{error_rate:g}')}__rec{ident(f'{recovery_rate:g}')}__tok{fingerprint}"
           f"__{hashlib.sha256(spec.encode()).hexdigest()[:8]}")
   return DemoSetConfig(
       name=name, description=f"{env_name} noisy-oracle demonstrations: {spec}",
@@ -133,7 +135,11 @@ def _features(max_len: int, max_turns: int) -> tfds.features.FeaturesDict:
 
 def make_runner(env, config: DemoSetConfig):
   """The jitted noisy-oracle runner of `env` for `config`'s shapes (max_turns, max_len); the
-  error / recovery rates are call arguments (`env_demos.noisy_oracle_params`)."""
+  error / recovery rates are call arguments (`env_demos.noisy_oracle_params`). A host
+  environment gets the host twin (`jaxagent.envs.host_demos`): the same noise and arrays."""
+  if isinstance(env, HostEnv):
+    return host_demos.make_host_episode_runner(env, max_turns=config.max_turns,
+                                               max_len=config.max_len)
   policy = env_demos.noisy_oracle_policy(env, 0.0, 1.0)
   return env_demos.make_episode_runner(env, policy, max_turns=config.max_turns,
                                        max_len=config.max_len)
@@ -156,8 +162,10 @@ def generate_demos(env, task_arrays: dict[str, np.ndarray], config: DemoSetConfi
   for lo in range(0, len(task_index), _CHUNK):
     idx = task_index[lo:lo + _CHUNK]
     n = len(idx)
-    padded = np.pad(idx, (0, _CHUNK - n), mode="edge")      # one shape: one compilation
-    keys = jax.vmap(lambda i: jax.random.fold_in(split_key, i))(jnp.arange(lo, lo + _CHUNK))
+    # One shape: one compilation (a host runner compiles nothing, so it runs only the n).
+    width = n if getattr(run, "host", False) else _CHUNK
+    padded = np.pad(idx, (0, width - n), mode="edge")
+    keys = jax.vmap(lambda i: jax.random.fold_in(split_key, i))(jnp.arange(lo, lo + width))
     chunk = jax.tree.map(lambda x: x[padded], tasks)
     transcript = run(keys, chunk, config.budget, params)
     for field in dataclasses.fields(transcript):

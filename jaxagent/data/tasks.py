@@ -79,10 +79,20 @@ def difficulty_slug(difficulty: dict[str, Any]) -> str:
   return "h" + hashlib.sha256(json.dumps(difficulty, sort_keys=True).encode()).hexdigest()[:12]
 
 
+def env_slug(env_name: str) -> str:
+  """`env_name` as identifier characters for dataset names: a registered name as it is; an
+  importable "package.module:Class" with its dots and colon made underscores and a hash of the
+  whole name (so two classes never share a dataset)."""
+  if all(c.isalnum() or c == "_" for c in env_name):
+    return env_name
+  clean = "".join(c if c.isalnum() or c == "_" else "_" for c in env_name)
+  return f"{clean[-40:]}_{hashlib.sha256(env_name.encode()).hexdigest()[:8]}"
+
+
 def task_set_config(env_name: str, *, seed: int = 0, num_train: int = 1024,
                     num_validation: int = 256, num_test: int = 256, **difficulty) -> TaskSetConfig:
   """The config for `env_name` with these knobs; its name encodes every field."""
-  name = (f"{env_name}__{difficulty_slug(difficulty)}__seed{seed}"
+  name = (f"{env_slug(env_name)}__{difficulty_slug(difficulty)}__seed{seed}"
           f"__n{num_train}_{num_validation}_{num_test}")
   return TaskSetConfig(
       name=name, description=f"{env_name} tasks, knobs {difficulty}, seed {seed}",

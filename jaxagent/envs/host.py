@@ -41,6 +41,7 @@ A `HostEpisode` provides:
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import re
 from typing import Any, Callable, Protocol
@@ -103,6 +104,16 @@ class HostEpisode(Protocol):
   def oracle(self) -> list[str]: ...
 
 
+# Threads of `HostEnv.step` by default: a tool that waits (a database, a sandbox, a web call)
+# overlaps up to this many episodes; a pure-Python tool pays a little for the hand-offs.
+DEFAULT_THREADS = 8
+
+
+class HostEpisodeError(RuntimeError):
+  """An episode raised inside `act`: the message names the episode, its action text and the
+  exception, which is chained (`__cause__`)."""
+
+
 @dataclasses.dataclass
 class HostState:
   episodes: list            # B HostEpisode objects (mutable, owned by this state)
@@ -116,8 +127,12 @@ class HostEnv:
 
   def __init__(self, codec: TextCodec, make_episode: Callable[[Any], HostEpisode], *,
                max_obs_len: int, max_action_len: int, max_action_bytes: int, name: str = "host",
-               max_step_obs_len: int | None = None):
+               max_step_obs_len: int | None = None, num_threads: int = DEFAULT_THREADS):
     self.codec, self.make_episode, self.name = codec, make_episode, name
+    # Threads that step episodes concurrently (1: in the caller's thread, one after another).
+    if num_threads < 1:
+      raise ValueError(f"{name}: num_threads={num_threads}; give 1 (serial) or more")
+    self.num_threads, self._pool = int(num_threads), None
     self.max_obs_len, self.max_action_len, self.max_action_bytes = max_obs_len, max_action_len, max_action_bytes
     # Observations after the first fit in this many tokens (default: as many as the prompt);
     # a longer one is cut as text (`codec.fit_text`), keeping its budget suffix and wrapping.
@@ -174,35 +189,62 @@ class HostEnv:
                                                ("error_kind", np.int32), ("oracle_match", bool),
                                                ("optimal_turns", np.int32),
                                                ("obs_truncated", bool)]}
-    turn, done, rows = state.turn.copy(), state.done.copy(), []
-    for i, ep in enumerate(state.episodes):
-      info["optimal_turns"][i] = ep.optimal_turns
-      if state.done[i]:
-        info["done"][i] = True
-        rows.append(np.zeros((0,), np.int32))
-        continue
-      data = self.codec.decode_bytes(tokens[i, :lengths[i]])
-      out = ep.act(parse_call_text(data, self.max_action_bytes))
-      turn[i] += 1
-      done[i] = out.final_answer
-      body = self._frags(out.body)
-      suffix = common.budget_suffix_host(self.codec, int(state.budget[i]), int(turn[i]))
-      fixed = self._wrap_len + sum(len(x) for x in suffix)
-      if sum(len(x) for x in body) + fixed > self.max_step_obs_len:
-        # Too long for the turn's buffer: cut the text and say so; the budget line and the
-        # wrapping (tool turn end, next assistant header) stay whole.
-        body = [self.codec.fit_text("".join(out.body), self.max_step_obs_len - fixed)]
-        info["obs_truncated"][i] = True
-      rows.append(concat_host(self.codec.observation([_buf(t) for t in body + suffix])))
-      info["reward"][i] = float(out.solved)
-      info["done"][i] = done[i]
-      info["solved"][i] = out.solved
-      info["final_answer"][i] = out.final_answer
-      info["error_kind"][i] = int(out.error_kind)
-      info["valid_call"][i] = out.error_kind in (ErrorKind.NONE, ErrorKind.WRONG_ANSWER)
-      info["oracle_match"][i] = out.oracle_match
+    turn, done = state.turn.copy(), state.done.copy()
+    # Episodes step concurrently (a slow tool does not serialise the batch); each writes only
+    # its own row, and the rows come back in episode order.
+    rows = self._map(lambda i: self._step_one(i, state, tokens, lengths, info, turn, done),
+                     len(state.episodes))
     new_state = HostState(episodes=state.episodes, turn=turn, budget=state.budget, done=done)
     return new_state, self._pad(rows, self.max_obs_len), StepInfo(**info)
+
+  def _step_one(self, i: int, state: HostState, tokens, lengths, info: dict, turn, done):
+    """Steps episode i (writing row i of info, turn and done); returns its observation tokens.
+    An exception inside the episode fails the step with `HostEpisodeError` naming the episode,
+    its action text and the exception (chained)."""
+    ep = state.episodes[i]
+    info["optimal_turns"][i] = ep.optimal_turns
+    if state.done[i]:
+      info["done"][i] = True
+      return np.zeros((0,), np.int32)
+    data = self.codec.decode_bytes(tokens[i, :lengths[i]])
+    try:
+      out = ep.act(parse_call_text(data, self.max_action_bytes))
+    except Exception as e:
+      text = data.decode("utf-8", "replace")
+      text = text if len(text) <= 80 else text[:77] + "..."
+      raise HostEpisodeError(f"{self.name}: episode {i} raised {type(e).__name__}: {e} on the "
+                             f"action {text!r} (turn {int(turn[i]) + 1}); the rollout stops "
+                             "here: fix the tool, or return an Outcome with an error kind") from e
+    turn[i] += 1
+    done[i] = out.final_answer
+    body = self._frags(out.body)
+    suffix = common.budget_suffix_host(self.codec, int(state.budget[i]), int(turn[i]))
+    fixed = self._wrap_len + sum(len(x) for x in suffix)
+    if sum(len(x) for x in body) + fixed > self.max_step_obs_len:
+      # Too long for the turn's buffer: cut the text and say so; the budget line and the
+      # wrapping (tool turn end, next assistant header) stay whole.
+      body = [self.codec.fit_text("".join(out.body), self.max_step_obs_len - fixed)]
+      info["obs_truncated"][i] = True
+    info["reward"][i] = float(out.solved)
+    info["done"][i] = done[i]
+    info["solved"][i] = out.solved
+    info["final_answer"][i] = out.final_answer
+    info["error_kind"][i] = int(out.error_kind)
+    info["valid_call"][i] = out.error_kind in (ErrorKind.NONE, ErrorKind.WRONG_ANSWER)
+    info["oracle_match"][i] = out.oracle_match
+    return concat_host(self.codec.observation([_buf(t) for t in body + suffix]))
+
+  def _map(self, fn: Callable[[int], Any], n: int) -> list:
+    """[fn(0), ..., fn(n - 1)] in order, on `num_threads` threads (serially with 1 thread or
+    1 item). The first exception raised (in index order) is re-raised after all finish."""
+    if self.num_threads <= 1 or n <= 1:
+      return [fn(i) for i in range(n)]
+    if self._pool is None:
+      self._pool = concurrent.futures.ThreadPoolExecutor(
+          self.num_threads, thread_name_prefix=f"{self.name}-step")
+    futures = [self._pool.submit(fn, i) for i in range(n)]
+    concurrent.futures.wait(futures)
+    return [f.result() for f in futures]
 
   def oracle_action(self, state: HostState) -> TokenBuffer:
     """The expert's next action of every episode, tokenised piece by piece: tokens [B, A]."""
@@ -275,13 +317,17 @@ class HostLookupEnv(HostEnv):
   """`lookup` on the host path. Same knobs as `LookupEnv`; `jax_env` samples the tasks and fixes
   the buffer sizes, so both paths take the same task arrays and give the same tokens."""
 
-  def __init__(self, codec: TextCodec, **knobs):
+  def __init__(self, codec: TextCodec, num_threads: int = DEFAULT_THREADS, **knobs):
     self.jax_env = lookup.LookupEnv(codec, **knobs)
     hops = self.jax_env.hops
     super().__init__(codec, lambda task: HostLookupEpisode(task, hops),
                      max_obs_len=self.jax_env.max_obs_len, max_action_len=self.jax_env.max_action_len,
                      max_action_bytes=self.jax_env.max_action_bytes, name="host_lookup",
-                     max_step_obs_len=self.jax_env.max_step_obs_len)
+                     max_step_obs_len=self.jax_env.max_step_obs_len, num_threads=num_threads)
+
+  def sample_task(self, key: jax.Array) -> lookup.LookupTask:
+    """One task from the JAX env's sampler (JAX-traceable: the task splits vmap and jit it)."""
+    return self.jax_env.sample_task(key)
 
   def sample_tasks(self, key: jax.Array, batch: int) -> lookup.LookupTask:
     """B tasks from the JAX env's sampler, as numpy."""

@@ -603,11 +603,15 @@ def run_section(config) -> RunSection:
 
 
 def check_env(config) -> None:
-  """config.env.name must name a registered environment (its knobs are checked when it is
-  built: an unknown knob raises TypeError from the environment's constructor)."""
+  """config.env.name must name a registered environment or an importable "package.module:Class"
+  (`envs.resolve`; its knobs are checked when it is built: an unknown knob raises TypeError from
+  the environment's constructor)."""
   name = _section(config, "env").name
-  _require(name in envs.names(), f"config.env.name={name!r} is not an environment; choose one "
-           f"of {envs.names()}")
+  _require(isinstance(name, str), f"config.env.name={name!r} must be a string")
+  try:
+    envs.resolve(name)
+  except ValueError as e:
+    raise ConfigError(f"config.env.name={name!r} is not an environment: {e}") from e
 
 
 def validate(config) -> None:
