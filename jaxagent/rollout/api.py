@@ -105,9 +105,7 @@ class Rollouts:
     ck = (cfg, forced_action)
     if ck not in self._programs:
       if _is_host(self.env):
-        if forced_action is not None:
-          raise ValueError("forced_action needs a JAX-native environment")
-        self._programs[ck] = HostRollout(self.model_config, self.env, cfg)
+        self._programs[ck] = HostRollout(self.model_config, self.env, cfg, forced_action)
       else:
         self._programs[ck] = make_rollout_fn(self.model_config, self.env, cfg, forced_action,
                                              on_trace=self._counted)
@@ -132,7 +130,8 @@ class Rollouts:
       context_len: transcript/KV capacity per row (default: room for every turn).
       forced_action: `(env_state, key) -> TokenBuffer` to force actions instead of sampling
         (e.g. `lambda s, k: env.oracle_action(s)`); see `make_rollout_fn`. One program per
-        function object.
+        function object. With a host environment it gets the whole batch's host state and
+        returns [B, A] (`HostRollout`); `env.oracle_action` serves both.
     """
     env = self.env
     k_tasks, k_run = jax.random.split(key)

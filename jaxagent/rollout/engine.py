@@ -376,11 +376,16 @@ class HostRollout:
   `step(state, action) -> (state, obs, info)` on numpy arrays, plus `codec`, `max_obs_len`,
   `max_action_len`. Per turn: one jitted `act` (decode), the host `step`, one jitted `observe`
   (prefill); the output equals the JAX-native path's for the same environment and key.
+
+  forced_action: optional `(host_state, key) -> TokenBuffer [B, A]` (numpy, the whole batch:
+  e.g. `lambda s, k: env.oracle_action(s)`) whose actions replace sampling, as in
+  `make_rollout_fn` (recorded as agent tokens with the policy's log-probs); the key is split
+  from the rollout's key as there, so the oracle's rollouts equal the JAX path's.
   """
 
-  def __init__(self, mcfg: ModelConfig, env, cfg: RolloutConfig):
+  def __init__(self, mcfg: ModelConfig, env, cfg: RolloutConfig, forced_action=None):
     _check(env, cfg)
-    self.mcfg, self.env, self.cfg = mcfg, env, cfg
+    self.mcfg, self.env, self.cfg, self.forced_action = mcfg, env, cfg, forced_action
     eot, pad = int(env.codec.end_of_turn_id), int(env.codec.pad_id)
     obs_len = self.obs_len = step_obs_len(env)
     self._start = jax.jit(functools.partial(_start, mcfg, cfg, pad, env.max_action_len))
@@ -392,6 +397,15 @@ class HostRollout:
       return _record_action(c, action, active, start, state_id), action, active, stopped
 
     self._act = jax.jit(act)
+
+    def act_forced(params, c, sc, state_id, given, key):
+      start = c.cache.length
+      c, action, active, stopped = _act_forced(mcfg, cfg, eot, pad, env.max_action_len, params,
+                                               c.replace(key=key), given, obs_len,
+                                               sc.temperature)
+      return _record_action(c, action, active, start, state_id), action, active, stopped
+
+    self._act_forced = jax.jit(act_forced)
     self._observe = jax.jit(functools.partial(_observe, mcfg, eot))
     tail = env.codec.truncation_tail
     self._fit = jax.jit(lambda obs, info: _fit_obs(obs, obs_len, tail, info))
@@ -410,7 +424,12 @@ class HostRollout:
       if not bool(jnp.any(self._alive(c))):
         break
       sid = jnp.asarray(self._state_id(state, t, b))
-      c, action, active, stopped = self._act(params, c, sc, sid)
+      if self.forced_action is None:
+        c, action, active, stopped = self._act(params, c, sc, sid)
+      else:
+        key, sub = jax.random.split(c.key)
+        given = _device(self.forced_action(state, sub))
+        c, action, active, stopped = self._act_forced(params, c, sc, sid, given, key)
       # Rows that are not active never act again, so stepping them too is harmless (their
       # records are masked by `active`).
       state, obs, info = self.env.step(state, jax.tree.map(np.asarray, action))

@@ -15,17 +15,27 @@
   `max_action_tokens`), and the environment steps the replayed state with it; the step's info
   says whether the action is a valid call and whether it equals the oracle's action.
 
+With a host environment (`jaxagent.envs.host.HostEnv`: Python episodes, not arrays) both have
+host twins with the same signatures. The replay's "state" at (b, t) is then the recipe for it,
+as arrays (the task, the reset budget and the actions of turns before t: `HostReplayState`),
+and the next action rebuilds each episode from its recipe on the host (reset, then those
+actions) before stepping it with the decoded action; the decoding stays jitted.
+
 Each factory returns a freshly jitted function; its owner (`jaxagent.runs.programs.Programs`)
 builds it once per (model config, environment, static settings) and hands it to the evaluators.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 
 from jaxagent.envs.base import TokenBuffer
+from jaxagent.envs.host import HostEnv, HostState
 from jaxagent.models import decoder, sampler
 from jaxagent.models.config import ModelConfig
 
@@ -47,6 +57,8 @@ def make_replay_fn(env, budget_visible: bool):
   Compiled once per (B, T, A); a new function object on every call (no cache).
   """
   budget_visible = bool(budget_visible)
+  if isinstance(env, HostEnv):
+    return _host_replay_fn(budget_visible)
 
   def run(tasks, budget, actions, actions_len, acted):
     b = budget.shape[0]
@@ -95,7 +107,7 @@ def make_next_action_fn(mcfg: ModelConfig, env, max_action_tokens: int):
     raise ValueError(f"max_action_tokens={a} must be in [2, the environment's max_action_len = "
                      f"{a_env}] (it counts the end-of-turn token)")
 
-  def run(params, prefix, prefix_len, env_state, key, sc):
+  def decode(params, prefix, prefix_len, key, sc):
     n, p = prefix.shape
     cache = decoder.init_cache(mcfg, n, p + a)
     logits, cache = sampler.prefill(mcfg, params, cache, prefix, prefix_len)
@@ -107,9 +119,74 @@ def make_next_action_fn(mcfg: ModelConfig, env, max_action_tokens: int):
     cols = jnp.arange(a)[None, :]
     toks = jnp.where(cols < n_act[:, None], gen.tokens, pad)
     toks = jnp.pad(toks, ((0, 0), (0, a_env - a)), constant_values=pad)
-    action = TokenBuffer(tokens=toks, length=n_act)
+    return TokenBuffer(tokens=toks, length=n_act)
+
+  if isinstance(env, HostEnv):
+    return _host_next_action_fn(env, jax.jit(decode))
+
+  def run(params, prefix, prefix_len, env_state, key, sc):
+    action = decode(params, prefix, prefix_len, key, sc)
     _, _, info = jax.vmap(env.step)(env_state, action)
-    return NextAction(tokens=toks, length=n_act, valid_call=info.valid_call,
+    return NextAction(tokens=action.tokens, length=action.length, valid_call=info.valid_call,
                       oracle_match=info.oracle_match, error_kind=info.error_kind)
 
   return jax.jit(run)
+
+
+# ---- host environments ----------------------------------------------------------------------
+
+
+@struct.dataclass
+class HostReplayState:
+  """The recipe of host-environment states (leaves [..., ...]; one state per leading index):
+  reset the task with `budget`, then step the actions of the turns where `prior` is set."""
+  task: Any                 # the task pytree
+  budget: jax.Array         # [] int32 the reset's budget (-1 hidden)
+  actions: jax.Array        # [T, A] int32 the episode's recorded actions
+  actions_len: jax.Array    # [T] int32
+  prior: jax.Array          # [T] bool: the turns taken before this state
+
+
+def _host_replay_fn(budget_visible: bool):
+  """`make_replay_fn` for a host environment: the recipes [B, T] (numpy; nothing is stepped
+  here: `_host_next_action_fn` rebuilds the states it needs)."""
+
+  def run(tasks, budget, actions, actions_len, acted):
+    budget, acted = np.asarray(budget), np.asarray(acted, bool)
+    b, t = acted.shape
+    reset_budget = budget if budget_visible else np.full_like(budget, -1)
+    earlier = np.arange(t)[None, :] < np.arange(t)[:, None]           # [t, s]: s < t
+    per_turn = lambda x: np.broadcast_to(np.asarray(x)[:, None], (b, t) + np.shape(x)[1:])
+    return HostReplayState(
+        task=jax.tree.map(per_turn, tasks), budget=per_turn(reset_budget),
+        actions=per_turn(actions), actions_len=per_turn(actions_len),
+        prior=acted[:, None, :] & earlier[None])
+  return run
+
+
+def rebuild_host_states(env: HostEnv, recipe: HostReplayState):
+  """The host states of N recipes (leaves [N, ...]): reset, then each earlier turn's actions on
+  the episodes that took that turn. Returns a `HostState` of N episodes."""
+  recipe = jax.tree.map(np.asarray, recipe)
+  state, _ = env.reset(recipe.task, recipe.budget)
+  for t in range(recipe.prior.shape[1]):
+    rows = np.flatnonzero(recipe.prior[:, t])
+    if len(rows):
+      sub = HostState(episodes=[state.episodes[i] for i in rows], turn=state.turn[rows],
+                      budget=state.budget[rows], done=state.done[rows])
+      sub, _, _ = env.step(sub, TokenBuffer(tokens=recipe.actions[rows, t],
+                                            length=recipe.actions_len[rows, t]))
+      state.turn[rows], state.done[rows] = sub.turn, sub.done
+  return state
+
+
+def _host_next_action_fn(env: HostEnv, decode):
+  """`make_next_action_fn` for a host environment: the jitted decode, then the host step of
+  each state rebuilt from its recipe (`rebuild_host_states`). Returns numpy `NextAction`s."""
+
+  def run(params, prefix, prefix_len, env_state, key, sc):
+    action = jax.tree.map(np.asarray, decode(params, prefix, prefix_len, key, sc))
+    _, _, info = env.step(rebuild_host_states(env, env_state), action)
+    return NextAction(tokens=action.tokens, length=action.length, valid_call=info.valid_call,
+                      oracle_match=info.oracle_match, error_kind=info.error_kind)
+  return run
