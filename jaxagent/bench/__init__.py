@@ -5,6 +5,7 @@ top layer of the library: it imports what it measures; nothing in jaxagent impor
 
   machine   the machine's name and limits (peak matmul FLOP/s, read bandwidth); the clock
   rollouts  jitted rollout vs host environment vs naive loop; the scaling sweep
+  hostpath  the host path vs the JAX path: environment steps alone, and a slow tool's threads
   decode    decode with no environment vs its bandwidth bound; a decode step by ablation
   pieces    the rollout's pieces as separate programs (prefills, environment steps)
   update    the RL update's tokens/s and model FLOP/s; turn-level credit's overhead

@@ -65,6 +65,30 @@ def rollout_lines(res: dict) -> list[str]:
   return lines
 
 
+def host_path_lines(res: dict) -> list[str]:
+  """The host path against the JAX path: the rollouts (model included) and the environment
+  steps alone, each with the ratio jax / host, and the slow tool with and without threads."""
+  hp = res.get("host_path")
+  if not hp:
+    return []
+  r, es, slow = res["rollout"], hp["env_steps"], hp["slow_tool"]
+  jax_eps, host_eps = r["jax"]["episodes_per_s"], r["host"]["episodes_per_s"]
+  return ["", f"Host path vs JAX path: `{res['env']}` and its host twin `host_lookup` on the same "
+          f"tasks ({hp['episodes']} episodes x {hp['turns']} turns; host: {hp['threads']} "
+          "threads).", "",
+          "| measure | jax | host | host, 1 thread | jax / host |", "|---|---|---|---|---|",
+          f"| rollout (model included), episodes/s | {fmt(jax_eps)} | {fmt(host_eps)} | | "
+          f"{jax_eps / host_eps:.2f}x |",
+          f"| environment steps only (oracle actions), turns/s | "
+          f"{fmt(es['jax']['turns_per_s'], 0)} | {fmt(es['host']['turns_per_s'], 0)} | "
+          f"{fmt(es['host_serial']['turns_per_s'], 0)} | "
+          f"{es['jax']['turns_per_s'] / es['host']['turns_per_s']:.1f}x |",
+          f"| a tool that waits {slow['sleep_ms']:g} ms per call, turns/s | | "
+          f"{fmt(slow['host']['turns_per_s'], 0)} | {fmt(slow['host_serial']['turns_per_s'], 0)} "
+          f"| threads: {slow['host']['turns_per_s'] / slow['host_serial']['turns_per_s']:.1f}x "
+          "the serial |"]
+
+
 def section_names(res: dict) -> list[tuple[str, dict]]:
   """(row prefix, section) of the built-in model, the big model and SmolLM2 where they ran."""
   big_name = f"~{res['big']['size'].upper()} " if res.get("big") else ""
@@ -195,8 +219,8 @@ def scaling_lines(res: dict) -> list[str]:
 
 def markdown(res: dict) -> str:
   """Every section of `res` present, in the order of benchmark.md (call `with_limits` first)."""
-  lines = (machine_lines(res) + rollout_lines(res) + measures_lines(res) + profile_lines(res)
-           + peers_lines(res) + models_lines(res) + scaling_lines(res))
+  lines = (machine_lines(res) + rollout_lines(res) + measures_lines(res) + host_path_lines(res)
+           + profile_lines(res) + peers_lines(res) + models_lines(res) + scaling_lines(res))
   return "\n".join(lines) + "\n"
 
 

@@ -15,7 +15,9 @@ Sections, in the order they run (each a function of its own module returning a p
   * big:       a random-weight model of `big_size` (`models.model_section` + a decode step);
   * smollm2:   the real SmolLM2-135M-Instruct (`models.model_section`);
   * peers:     the peers' workload against the `transformers` loop (`peers.peer_section`);
-  * scaling:   the jitted rollout as batch, turns and tokens per turn grow (`rollouts.scaling`).
+  * scaling:   the jitted rollout as batch, turns and tokens per turn grow (`rollouts.scaling`);
+  * host_path: `lookup` vs `host_lookup` stepping the same tasks with no model, and a slow tool
+               with and without the host's threads (`hostpath.host_path`).
 Compilation is excluded (each program runs once first); times are the median of `repeats` runs.
 """
 
@@ -33,6 +35,7 @@ from absl import logging
 import jaxagent.envs as envs
 from jaxagent.bench import machine, report
 from jaxagent.bench.decode import decode_only, decode_step_profile
+from jaxagent.bench.hostpath import host_path
 from jaxagent.bench.models import big_policy, model_section
 from jaxagent.bench.peers import PEER_EPISODES, PEER_TURNS, peer_section
 from jaxagent.bench.pieces import breakdown
@@ -125,6 +128,8 @@ def run_benchmark(options: Options) -> dict:
   if o.peers:
     res["peers"] = peer_section(policy, o.repeats, o.out, o.peer_episodes, o.peer_turns)
     logging.info("peers: %s", res["peers"])
+  res["host_path"] = host_path(env, host, tasks, o.group, o.turns, o.repeats)
+  logging.info("host path: %s", res["host_path"])
   if o.scaling:
     res["scaling"] = scaling(policy, env, 1, o.tasks * o.group, o.turns, o.scaling_batches,
                              o.scaling_turns, o.scaling_tokens)

@@ -36,7 +36,7 @@ def smallest(tmp_path_factory):
 def test_every_section_ran(smallest):
   res, _, _ = smallest
   for key in ("machine", "rollout", "decode", "breakdown", "update", "credit", "big", "peers",
-              "scaling"):
+              "scaling", "host_path"):
     assert res[key], key
   assert "smollm2" not in res
   assert set(res["rollout"]) == {"jax", "host", "naive"}        # 8 devices: no kernel row
@@ -49,6 +49,11 @@ def test_every_section_ran(smallest):
   assert res["big"]["decode_step"]["batch"] == 4
   assert [(s["axis"], s["episodes"], s["turns"], s["tokens_per_turn"]) for s in res["scaling"]
           ] == [("batch", 2, 4, 32)]
+  hp = res["host_path"]
+  # The same oracle episodes on both paths: the same turns taken, every method.
+  turns = {hp["env_steps"][k]["turns"] for k in ("jax", "host", "host_serial")}
+  turns |= {hp["slow_tool"][k]["turns"] for k in ("host", "host_serial")}
+  assert len(turns) == 1 and turns.pop() > 0 and hp["episodes"] == 4
 
 
 def test_peers_run_both_systems_on_the_same_weights(smallest):
@@ -104,6 +109,16 @@ def test_markdown_holds_each_section_with_its_numbers(smallest):
           f"{pe['hf']['episodes_per_s']:,.1f}) | >= 5x |") in md
   assert (f"{pe['episodes']} episodes x {pe['turns']} turns x <= {pe['tokens_per_turn']} tokens: "
           f"jax rollout {pe['jax']['seconds']:.2f} s") in md
+  hp, jax_eps, host_eps = res["host_path"], r["jax"]["episodes_per_s"], r["host"]["episodes_per_s"]
+  es, slow = hp["env_steps"], hp["slow_tool"]
+  assert (f"| rollout (model included), episodes/s | {jax_eps:,.1f} | {host_eps:,.1f} | | "
+          f"{jax_eps / host_eps:.2f}x |") in md
+  assert (f"| environment steps only (oracle actions), turns/s | {es['jax']['turns_per_s']:,.0f} "
+          f"| {es['host']['turns_per_s']:,.0f} | {es['host_serial']['turns_per_s']:,.0f} | "
+          f"{es['jax']['turns_per_s'] / es['host']['turns_per_s']:.1f}x |") in md
+  assert (f"| a tool that waits 2 ms per call, turns/s | | {slow['host']['turns_per_s']:,.0f} | "
+          f"{slow['host_serial']['turns_per_s']:,.0f} | threads: "
+          f"{slow['host']['turns_per_s'] / slow['host_serial']['turns_per_s']:.1f}x") in md
   b = res["big"]
   assert f"~TINY model: {b['params']:,} parameters (float32), random weights, 4 episodes" in md
   for s in res["scaling"]:
