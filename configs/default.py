@@ -44,7 +44,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.num_devices = 0
 
   c.env = ml_collections.ConfigDict()
-  # A name from jaxagent.envs.names().
+  # A name from jaxagent.envs.names(), or an importable "package.module:Class" (your own
+  # environment: docs/guides/environments.md#bring-your-own-environment).
   c.env.name = "grid"
   # The family's difficulty knobs (see the environment's class docstring). 5x5 maps, optimal
   # paths of 3-5 moves for most tasks, one trap; the goal's direction follows every position

@@ -30,13 +30,19 @@ What the adapter (`HostEnv`) does, the same way as the JAX environments (`common
     step's `info.obs_truncated` is set (the rollout counts it); a prompt over `max_obs_len` is
     an error naming it;
   * counting turns and no-op steps after done (a spent budget is shown, not enforced: the rollout
-    engine ends the episode).
+    engine ends the episode);
+  * stepping the batch's episodes on a thread pool (`num_threads`), rows in episode order; an
+    exception inside an episode fails the step with `HostEpisodeError` (the episode, its action
+    text, the exception chained).
 
 A `HostEpisode` provides:
   optimal_turns: int
   prompt() -> (system_pieces: list[str], user_pieces: list[str])   the first observation's texts
   act(call: HostCall | None) -> Outcome    execute one action (None: the action did not parse)
   oracle() -> list[str]                    the expert's next action, as text pieces
+and optionally error_actions() -> [(ErrorKind, text pieces)], plausible mistakes in its current
+state for the noisy-oracle demonstrations (`host_demos.py`). For the training pipeline the env
+also needs `sample_task(key)`, JAX-traceable (the task splits are arrays).
 """
 
 from __future__ import annotations
@@ -44,6 +50,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import re
+import threading
 from typing import Any, Callable, Protocol
 
 import jax
@@ -133,6 +140,7 @@ class HostEnv:
     if num_threads < 1:
       raise ValueError(f"{name}: num_threads={num_threads}; give 1 (serial) or more")
     self.num_threads, self._pool = int(num_threads), None
+    self._tokenizer_lock = threading.Lock()
     self.max_obs_len, self.max_action_len, self.max_action_bytes = max_obs_len, max_action_len, max_action_bytes
     # Observations after the first fit in this many tokens (default: as many as the prompt);
     # a longer one is cut as text (`codec.fit_text`), keeping its budget suffix and wrapping.
@@ -217,14 +225,17 @@ class HostEnv:
                              "here: fix the tool, or return an Outcome with an error kind") from e
     turn[i] += 1
     done[i] = out.final_answer
-    body = self._frags(out.body)
-    suffix = common.budget_suffix_host(self.codec, int(state.budget[i]), int(turn[i]))
-    fixed = self._wrap_len + sum(len(x) for x in suffix)
-    if sum(len(x) for x in body) + fixed > self.max_step_obs_len:
-      # Too long for the turn's buffer: cut the text and say so; the budget line and the
-      # wrapping (tool turn end, next assistant header) stay whole.
-      body = [self.codec.fit_text("".join(out.body), self.max_step_obs_len - fixed)]
-      info["obs_truncated"][i] = True
+    # The tools run concurrently; the tokenizer (shared, with mutable settings) one at a time.
+    with self._tokenizer_lock:
+      body = self._frags(out.body)
+      suffix = common.budget_suffix_host(self.codec, int(state.budget[i]), int(turn[i]))
+      fixed = self._wrap_len + sum(len(x) for x in suffix)
+      if sum(len(x) for x in body) + fixed > self.max_step_obs_len:
+        # Too long for the turn's buffer: cut the text and say so; the budget line and the
+        # wrapping (tool turn end, next assistant header) stay whole.
+        body = [self.codec.fit_text("".join(out.body), self.max_step_obs_len - fixed)]
+        info["obs_truncated"][i] = True
+      row = concat_host(self.codec.observation([_buf(t) for t in body + suffix]))
     info["reward"][i] = float(out.solved)
     info["done"][i] = done[i]
     info["solved"][i] = out.solved
@@ -232,7 +243,7 @@ class HostEnv:
     info["error_kind"][i] = int(out.error_kind)
     info["valid_call"][i] = out.error_kind in (ErrorKind.NONE, ErrorKind.WRONG_ANSWER)
     info["oracle_match"][i] = out.oracle_match
-    return concat_host(self.codec.observation([_buf(t) for t in body + suffix]))
+    return row
 
   def _map(self, fn: Callable[[int], Any], n: int) -> list:
     """[fn(0), ..., fn(n - 1)] in order, on `num_threads` threads, each running one contiguous
@@ -319,8 +330,9 @@ class HostLookupEpisode:
 
 
 class HostLookupEnv(HostEnv):
-  """`lookup` on the host path. Same knobs as `LookupEnv`; `jax_env` samples the tasks and fixes
-  the buffer sizes, so both paths take the same task arrays and give the same tokens."""
+  """`lookup` on the host path. Same knobs as `LookupEnv` (and `num_threads`); `jax_env` samples
+  the tasks and fixes the buffer sizes, so both paths take the same task arrays and give the same
+  tokens."""
 
   def __init__(self, codec: TextCodec, num_threads: int = DEFAULT_THREADS, **knobs):
     self.jax_env = lookup.LookupEnv(codec, **knobs)
