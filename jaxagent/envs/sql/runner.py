@@ -4,7 +4,7 @@ Every query gets its own connection (so episodes stepped from several threads sh
 opened and guarded as follows before the query text is compiled:
   * `file:<path>?mode=ro` (the OS-level read-only open) and `PRAGMA query_only=ON`;
   * an authorizer that allows only reading: SELECT, reading columns, recursive CTEs, functions
-    other than `load_extension`/`fts3_tokenizer`, and the read-only schema pragmas in
+    other than those in `DENIED_FUNCTIONS`, and the read-only schema pragmas in
     `READ_PRAGMAS`; everything else (every write statement, CREATE/DROP/ALTER, ATTACH/DETACH,
     transactions, ANALYZE, VACUUM, any other PRAGMA, a pragma write) is denied when the
     statement is compiled, so it never runs;
@@ -34,7 +34,10 @@ from jaxagent.envs.sql.gen import show_value
 
 READ_PRAGMAS = frozenset({"table_info", "table_xinfo", "table_list", "index_list", "index_info",
                           "index_xinfo", "foreign_key_list"})
-DENIED_FUNCTIONS = frozenset({"load_extension", "fts3_tokenizer"})
+# load_extension and fts3_tokenizer reach native code; printf / format build a string of any
+# width inside one VM instruction (printf('%.*c', 1e9, 'x') runs ~9 s before the length check),
+# which no progress handler can stop.
+DENIED_FUNCTIONS = frozenset({"load_extension", "fts3_tokenizer", "printf", "format"})
 _ALLOWED = frozenset({sqlite3.SQLITE_SELECT, sqlite3.SQLITE_READ, sqlite3.SQLITE_RECURSIVE})
 _HEAP_LOCK = threading.Lock()
 
