@@ -1,0 +1,74 @@
+"""The study on `sql` (a database agent over real SQLite, jaxagent/envs/sql) with the built-in
+model: configs/default.py's pipeline (noisy-oracle demonstrations, an SFT base, the three RL arms,
+evaluation, the comparison) on another family.
+
+    python -m launch.study --config=configs/sql.py --workdir=workdirs/sql
+    python -m launch.study --config=configs/sql.py:quick --workdir=/tmp/sql_quick
+    python -m launch.train --config=configs/sql.py:smoke --workdir=/tmp/sql_smoke
+
+Tasks: 16 databases x 64 questions (1,024 tasks; the splits draw 512 + 64 + 128 distinct ones),
+gold paths of 2-6 turns (measured on this pool: 2 turns 330, 3 97, 4 209, 5 266, 6 122). The
+built-in tokenizer spells SQL about one token a character: oracle transcripts are 673 / 813 /
+877 tokens (mean / p90 / max), the agent's 128 of them on average, and an action takes up to
+184 tokens (a 3-table join), so a turn costs ~10x a `grid` turn's decoding. A query shows at most
+5 rows and 300 characters here (result_rows, result_chars), which keeps an observation under
+~380 tokens.
+
+Budgets: the gold path needs 2-6 turns, so the tight budget (fixed:4) cuts the 5- and 6-turn
+tasks (38% of the pool), the generous one (fixed:8) leaves room for two recoveries, and the mix
+spans both.
+"""
+
+import ml_collections
+
+from configs import default
+
+
+def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
+  variant = arg or "default"
+  if variant not in ("default", "quick", "smoke"):
+    raise ValueError(f"unknown variant {variant!r}; use default, quick or smoke "
+                     "(configs/sql.py:<variant>)")
+  c = default.get_config(variant if variant != "smoke" else "default")
+  c.env.name = "sql"
+  c.env.difficulty = ml_collections.ConfigDict({
+      "seed": 0, "num_databases": 16, "questions_per_database": 64, "min_tables": 1,
+      "max_tables": 3, "schema": "mix", "result_rows": 5, "result_cell_chars": 32,
+      "result_chars": 300})
+  # Room for the 6-turn gold path and injected errors with their recoveries.
+  c.data.demo_max_turns = 10
+  c.data.demo_max_len = 1536
+  c.study.tight_budget = "fixed:4"
+  c.study.generous_budget = "fixed:8"
+  c.study.mix_budget = "mix:3,4,6,8"
+  c.eval.max_turns = 8
+  c.eval.rerun_budgets = "2,4,6,8"
+  if variant == "default":
+    # Sized for <= 45 minutes on the 2-core CPU: see the module docstring for the per-turn cost.
+    c.sft.steps, c.sft.batch_size = 200, 8
+    c.rl.steps, c.rl.num_tasks, c.rl.group_size = 8, 4, 8
+    c.study.seeds = 2
+    c.eval.num_samples, c.eval.tasks_per_batch = 4, 32
+    c.eval.max_reference_states, c.eval.max_error_states = 128, 256
+    c.eval.likelihood_trajectories = 32
+  elif variant == "smoke":
+    # Seconds to a few minutes: one table, the schema in the prompt (2-turn tasks), few tasks.
+    c.env.difficulty = ml_collections.ConfigDict({
+        "seed": 0, "num_databases": 4, "questions_per_database": 32, "min_tables": 1,
+        "max_tables": 1, "schema": "full", "result_rows": 3, "result_cell_chars": 24,
+        "result_chars": 120})
+    c.data.num_train, c.data.num_validation, c.data.num_test = 64, 16, 16
+    c.data.demo_episodes_per_task = 1
+    c.data.demo_max_turns, c.data.demo_max_len = 4, 1024
+    c.sft.steps, c.sft.batch_size, c.sft.warmup_steps = 4, 8, 1
+    c.rl.steps, c.rl.num_tasks, c.rl.group_size, c.rl.budget = 2, 2, 4, "mix:2,3"
+    c.checkpoint_every = 2
+    c.progress_bar = False
+    c.eval.num_samples, c.eval.max_turns, c.eval.rerun_budgets = 4, 4, "2,3,4"
+    c.eval.tasks_per_batch, c.eval.max_reference_states = 8, 24
+    c.eval.state_batch, c.eval.score_batch, c.eval.num_bootstrap = 16, 16, 200
+    c.eval.likelihood_trajectories = 0
+    c.eval.curve_ks = "1,2,4"
+    c.study.tight_budget, c.study.generous_budget, c.study.mix_budget = "fixed:2", "fixed:4", "mix:2,4"
+    c.study.seeds, c.study.min_tasks = 2, 4
+  return c
