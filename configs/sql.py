@@ -32,7 +32,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c = default.get_config(variant if variant != "smoke" else "default")
   c.env.name = "sql"
   c.env.difficulty = ml_collections.ConfigDict({
-      "seed": 0, "num_databases": 16, "questions_per_database": 64, "min_tables": 1,
+      "db_seed": 0, "num_databases": 16, "questions_per_database": 64, "min_tables": 1,
       "max_tables": 3, "schema": "mix", "result_rows": 5, "result_cell_chars": 32,
       "result_chars": 300})
   # Room for the 6-turn gold path and injected errors with their recoveries.
@@ -54,7 +54,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   elif variant == "smoke":
     # Seconds to a few minutes: one table, the schema in the prompt (2-turn tasks), few tasks.
     c.env.difficulty = ml_collections.ConfigDict({
-        "seed": 0, "num_databases": 4, "questions_per_database": 32, "min_tables": 1,
+        "db_seed": 0, "num_databases": 4, "questions_per_database": 32, "min_tables": 1,
         "max_tables": 1, "schema": "full", "result_rows": 3, "result_cell_chars": 24,
         "result_chars": 120})
     c.data.num_train, c.data.num_validation, c.data.num_test = 64, 16, 16

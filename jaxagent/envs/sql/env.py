@@ -226,7 +226,8 @@ def sql_slips(sql: str, domain: str) -> list[str]:
 class SqlEnv(HostEnv):
   """`sql` on the host path (see the module docstring; pool.py for the tasks).
 
-  Knobs: seed, num_databases, questions_per_database (pool size = their product), min_tables /
+  Knobs: db_seed (of the databases and questions; not named `seed`, which the pipeline passes
+  beside the knobs), num_databases, questions_per_database (pool size = their product), min_tables /
   max_tables (tables a gold query reads, 1-3), schema (full, names, none or mix: what the prompt
   shows), result_rows / result_cell_chars / result_chars (what a query shows), query_steps (a
   query's VM-instruction budget), max_action_bytes, max_action_len (0: the longest oracle action
@@ -234,12 +235,12 @@ class SqlEnv(HostEnv):
   $JAXAGENT_SQL_CACHE or ~/.cache/jaxagent/sql)."""
   name = "sql"
 
-  def __init__(self, codec: TextCodec, seed: int = 0, num_databases: int = 16,
+  def __init__(self, codec: TextCodec, db_seed: int = 0, num_databases: int = 16,
                questions_per_database: int = 64, min_tables: int = 1, max_tables: int = 3,
                schema: str = "mix", result_rows: int = 8, result_cell_chars: int = 40,
                result_chars: int = 600, query_steps: int = 1_000_000, max_action_bytes: int = 512,
                max_action_len: int = 0, max_step_obs_len: int = 0, cache_dir: str = ""):
-    self.pool = pool_lib.build_pool(seed, num_databases, questions_per_database, min_tables,
+    self.pool = pool_lib.build_pool(db_seed, num_databases, questions_per_database, min_tables,
                                     max_tables, schema, cache_dir)
     self.limits = Limits(rows=result_rows, cell_chars=result_cell_chars,
                          result_chars=result_chars, steps=query_steps)
