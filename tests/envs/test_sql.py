@@ -1,5 +1,6 @@
 """Tests of `sql` (envs/sql): generation, the gold path through HostEnv, error kinds, safety."""
 
+import concurrent.futures
 import copy
 import hashlib
 import os
@@ -162,7 +163,8 @@ CRAFTED = [
     ("describe()", ErrorKind.BAD_ARGUMENTS), ("describe(a b)", ErrorKind.BAD_ARGUMENTS),
     ("query(  )", ErrorKind.BAD_ARGUMENTS), ("answer()", ErrorKind.BAD_ARGUMENTS),
     ("describe(nosuchtable)", ErrorKind.TOOL_FAILURE),
-    ("query(SELEC 1)", ErrorKind.TOOL_FAILURE), ("query(SELECT * FROM nosuch)", ErrorKind.TOOL_FAILURE),
+    ("query(SELEC 1)", ErrorKind.TOOL_FAILURE),
+    ("query(SELECT * FROM nosuch)", ErrorKind.TOOL_FAILURE),
     ("query(SELECT nosuch FROM sqlite_master)", ErrorKind.TOOL_FAILURE),
     ("query(SELECT abs(-9223372036854775808))", ErrorKind.TOOL_FAILURE),
     ("query(SELECT * FROM sqlite_master WHERE 0)", ErrorKind.NONE),   # no rows: not an error
@@ -214,7 +216,8 @@ def test_sql_slips_are_real_sqlite_errors(env):
     assert len(slips) == 3
     for s in slips:
       r = run_query(env.pool.paths[t.db], s, env.limits)
-      assert not r.ok and ("no such" in r.text or "syntax" in r.text or "unrecognized" in r.text), (s, r)
+      assert not r.ok, s
+      assert "no such" in r.text or "syntax" in r.text or "unrecognized" in r.text, (s, r)
 
 
 # ---- safety -------------------------------------------------------------------------------------
@@ -298,3 +301,13 @@ def test_bad_knobs_name_the_fix(builtin_tokenizer, cache):
     SqlEnv(codec, num_databases=1, questions_per_database=2, schema="some", cache_dir=cache)
   with pytest.raises(ValueError, match="min_tables"):
     SqlEnv(codec, num_databases=1, questions_per_database=2, max_tables=4, cache_dir=cache)
+
+
+def test_queries_from_many_threads_match_serial_results(env):
+  """HostEnv may step episodes on a thread pool: each query has its own connection."""
+  tasks = env.pool.tasks[:48]
+  serial = [run_query(env.pool.paths[t.db], t.question.sql, env.limits) for t in tasks]
+  with concurrent.futures.ThreadPoolExecutor(8) as pool:
+    threaded = list(pool.map(lambda t: run_query(env.pool.paths[t.db], t.question.sql,
+                                                 env.limits), tasks))
+  assert threaded == serial and all(r.ok for r in serial)

@@ -197,7 +197,8 @@ class SqlEpisode:
     broken = good[:-1] if not good[:-1].endswith(")") else f"{tool} {arg})"
     out = [(ErrorKind.PARSE_ERROR, [broken]),
            (ErrorKind.UNKNOWN_TOOL, [f"{_TYPO[tool]}({arg})"]),
-           (ErrorKind.BAD_ARGUMENTS, ["list_tables(all)" if tool == "list_tables" else f"{tool}()"])]
+           (ErrorKind.BAD_ARGUMENTS,
+            ["list_tables(all)" if tool == "list_tables" else f"{tool}()"])]
     if tool == "describe":
       out.append((ErrorKind.TOOL_FAILURE, [f"describe({arg[:-1]})"]))
     if tool == "query":
@@ -249,8 +250,8 @@ class SqlEnv(HostEnv):
     wrap = sum(len(np.asarray(p.tokens)) for p in codec.observation([]))
     intro = sum(len(x) for x in common.budget_intro_host(codec, 10 ** 9 - 1))
     prompt_wrap = sum(len(np.asarray(p.tokens)) for p in codec.prompt([], []))
-    longest_prompt = max(sum(map(enc, s)) + sum(map(enc, u))
-                         for s, u in (self._episode_of(i).prompt() for i in range(len(self.pool.tasks))))
+    prompts = (self._episode_of(i).prompt() for i in range(len(self.pool.tasks)))
+    longest_prompt = max(sum(map(enc, s)) + sum(map(enc, u)) for s, u in prompts)
     n_prompt = prompt_wrap + longest_prompt + intro
     if max_action_len <= 0:
       longest = max(sum(map(enc, ["query", "(", t.question.sql, ")"])) for t in self.pool.tasks)

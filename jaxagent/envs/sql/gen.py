@@ -27,7 +27,8 @@ FIRST = """Ana Ben Carla Dev Elena Farid Grace Hiro Ines Jonas Kofi Lena Marco N
 Quentin Rosa Sven Tara Umar Vera Wei Ximena Yusuf Zoe Amir Bianca Chen Dora Emil Fatima Goran Hana
 Ivan Julia Kenji Lucia Mateo Nina""".split()
 LAST = """Lopez Smith Kim Patel Rossi Novak Garcia Chen Muller Silva Okafor Jensen Haddad Ivanova
-Tanaka Costa Dubois Nguyen Berg Moreau Khan Weber Santos Eriksen Adeyemi Rahman Bauer Ortiz""".split()
+Tanaka Costa Dubois Nguyen Berg Moreau Khan Weber Santos Eriksen Adeyemi Rahman Bauer
+Ortiz""".split()
 CITIES = """Lyon Porto Leeds Kyoto Austin Lagos Quito Graz Perth Turin Bergen Dakar Malmo
 Cusco""".split()
 COUNTRIES = "France Japan Brazil Kenya Canada Norway India Italy Chile Egypt".split()
@@ -75,7 +76,8 @@ class Col:
 
   @property
   def sql_type(self) -> str:
-    return {"label": "TEXT", "cat": "TEXT", "date": "TEXT", "money": "REAL"}.get(self.kind, "INTEGER")
+    types = {"label": "TEXT", "cat": "TEXT", "date": "TEXT", "money": "REAL"}
+    return types.get(self.kind, "INTEGER")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,7 +117,8 @@ DOMAINS = {
         _t("order_items", "order item", (80, 250), ("order_id", "fk", "orders"),
            ("product_id", "fk", "products"), ("quantity", "int", (1, 6)))),
     "library": (
-        _t("authors", "author", (10, 20), ("name", "label", "person"), ("country", "cat", COUNTRIES),
+        _t("authors", "author", (10, 20), ("name", "label", "person"),
+           ("country", "cat", COUNTRIES),
            ("birth_year", "int", (1940, 1995))),
         _t("books", "book", (30, 60), ("title", "label", "title"), ("author_id", "fk", "authors"),
            ("genre", "cat", "mystery fantasy history poetry science romance".split()),
@@ -163,8 +166,8 @@ def build_database(rng: random.Random, domain: str) -> sqlite3.Connection:
   conn = sqlite3.connect(":memory:")
   sizes = {}
   for t in DOMAINS[domain]:
-    cols = ", ".join(f"{c.name} {c.sql_type}" + (f" REFERENCES {c.arg}(id)" if c.kind == "fk" else "")
-                     for c in t.cols)
+    cols = ", ".join(f"{c.name} {c.sql_type}"
+                     + (f" REFERENCES {c.arg}(id)" if c.kind == "fk" else "") for c in t.cols)
     conn.execute(f"CREATE TABLE {t.name} (id INTEGER PRIMARY KEY, {cols})")
     n = rng.randint(*t.rows)
     sizes[t.name] = n
@@ -230,7 +233,8 @@ class _Maker:
 
   def t1(self):
     r = self.rng
-    t = r.choice([t for t in self.tables.values() if t.col("cat") or t.col("int") or t.col("money")])
+    t = r.choice([t for t in self.tables.values()
+                  if t.col("cat") or t.col("int") or t.col("money")])
     nums, cats = t.col("int") + t.col("money"), t.col("cat")
     kind = r.choice(["count", "agg", "top", "above", "having"])
     if kind == "count" and cats:
@@ -242,7 +246,8 @@ class _Maker:
       n = r.choice(nums)
       agg, word = r.choice([("MAX", "highest"), ("MIN", "lowest"), ("AVG", "average"),
                             ("SUM", "total")])
-      expr = f"ROUND({agg}({n.name}), 2)" if agg == "AVG" or n.kind == "money" else f"{agg}({n.name})"
+      expr = f"{agg}({n.name})"
+      expr = f"ROUND({expr}, 2)" if agg == "AVG" or n.kind == "money" else expr
       if cats and r.random() < 0.6:
         c = r.choice(cats)
         v = self.value(t, c)
@@ -259,7 +264,8 @@ class _Maker:
     if kind == "above" and nums:
       n = r.choice(nums)
       return (f"How many {t.name} have a {n.noun} above the average {n.noun} of all {t.name}?",
-              f"SELECT COUNT(*) FROM {t.name} WHERE {n.name} > (SELECT AVG({n.name}) FROM {t.name})")
+              f"SELECT COUNT(*) FROM {t.name} WHERE {n.name} > "
+              f"(SELECT AVG({n.name}) FROM {t.name})")
     if kind == "having" and t.col("fk"):
       c, m = r.choice(t.col("fk")), r.randint(1, 4)
       return (f"How many different {c.name} values appear in more than {m} {t.name}?",
@@ -331,7 +337,8 @@ class _Maker:
       return (f"How many {f.name} belong to {ta.name} whose {tb.singular} has {c.noun} {_q(v)}?",
               f"SELECT COUNT(*) {join} WHERE {z}.{c.name} = {_q(v)}")
     # Two dimensions: a condition on each (values of one real fact row), so all three are read.
-    ca = ta.label if ta.label and (not ta.col("cat") or r.random() < 0.5) else r.choice(ta.col("cat"))
+    use_label = ta.label and (not ta.col("cat") or r.random() < 0.5)
+    ca = ta.label if use_label else r.choice(ta.col("cat"))
     va, v = r.choice(self.conn.execute(f"SELECT {y}.{ca.name}, {z}.{c.name} {join}").fetchall())
     return (f"How many {f.name} link {ta.name} with {ca.noun} {_q(va)} to {tb.name} with "
             f"{c.noun} {_q(v)}?",

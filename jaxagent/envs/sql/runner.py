@@ -105,7 +105,8 @@ def connect(path: str | pathlib.Path, limits: Limits) -> tuple[sqlite3.Connectio
 
 
 def _cell(v, limits: Limits) -> str:
-  s = show_value(v).replace("\\", "\\\\").replace("\n", "\\n").replace("\r", "\\r").replace("\t", "\\t")
+  s = show_value(v).replace("\\", "\\\\")
+  s = s.replace("\n", "\\n").replace("\r", "\\r").replace("\t", "\\t")
   return s if len(s) <= limits.cell_chars else s[:limits.cell_chars] + "..."
 
 
