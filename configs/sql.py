@@ -7,15 +7,15 @@ evaluation, the comparison) on another family.
     python -m launch.train --config=configs/sql.py:smoke --workdir=/tmp/sql_smoke
 
 Tasks: 16 databases x 64 questions (1,024 tasks; the splits draw 512 + 64 + 128 distinct ones),
-gold paths of 2-6 turns (on this pool: 2 turns 330 tasks, 3 97, 4 209, 5 266, 6 122). The
-built-in tokenizer spells SQL about one token a character: oracle transcripts are 673 / 813 / 877
+gold paths of 2-6 turns (on this pool: 2 turns 319 tasks, 3 93, 4 212, 5 264, 6 136). The
+built-in tokenizer spells SQL about one token a character: oracle transcripts are 674 / 817 / 877
 tokens (mean / p90 / max), 128 of them the agent's on average, and an action takes up to 184
 tokens (a 3-table join), so a turn costs ~10x a `grid` turn's decoding. A query shows at most 4
 rows and 160 characters here (result_rows, result_chars), so an observation fits 240 tokens and
 an 8-turn rollout 4,024 (the prompt <= 624, then 184 + 240 a turn; the model's context is 4,096).
 
 Budgets: the gold path needs 2-6 turns, so the tight budget (fixed:4) cuts the 5- and 6-turn
-tasks (38% of the pool), the generous one (fixed:8) leaves room for two recoveries, and the mix
+tasks (39% of the pool), the generous one (fixed:8) leaves room for two recoveries, and the mix
 spans both.
 
 Sizes (default): measured 2026-12-07 on this project's 2-core AMD EPYC while other helpers' runs

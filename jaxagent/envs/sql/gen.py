@@ -14,7 +14,7 @@ grouped by the number of tables the gold query reads (`tables`):
             the entity with the most rows under a condition on a third table.
 Every gold answer is one value (one row, one column): a count, a number (averages and money
 totals rounded to 2 decimals by the gold query), or a name. Questions whose answer is NULL or
-tied (argmax templates) are redrawn.
+tied (argmax templates) are redrawn, and so are counts of zero (but for "no rows" questions).
 """
 
 from __future__ import annotations
@@ -358,7 +358,7 @@ def make_questions(rng: random.Random, domain: str, conn: sqlite3.Connection, n:
       continue
     text, sql = made
     answer = maker.one(sql)
-    if answer is None:
+    if answer is None or (answer == 0 and "NOT IN" not in sql):   # a count of nothing: redraw
       continue
     order = [t for t in maker.tables if f" {t} " in f" {sql} " or f" {t})" in sql]
     if len(order) != k:
