@@ -189,20 +189,23 @@ class SqlEpisode:
 
   def error_actions(self) -> list[tuple[ErrorKind, list[str]]]:
     """Plausible erroneous actions in this state and the error kind each makes (for the
-    noisy-oracle demonstrations): a malformed call, a misspelt tool, a bad argument, and for a
-    query or describe step the real tool's failures (a misspelt column, a syntax slip, a wrong
-    table name)."""
+    noisy-oracle demonstrations, which draw a kind uniformly, then an action of it): a malformed
+    call (a missing parenthesis) and a misspelt tool at every step; a bad argument at the
+    list_tables, describe and answer steps; the real tool's failures at a describe step (a table
+    in the singular) and a query step (a misspelt column, a syntax slip, a table in the
+    singular), where they are one kind in three."""
     tool, arg = self.next_step()
     good = f"{tool}({arg})"
     broken = good[:-1] if not good[:-1].endswith(")") else f"{tool} {arg})"
     out = [(ErrorKind.PARSE_ERROR, [broken]),
-           (ErrorKind.UNKNOWN_TOOL, [f"{_TYPO[tool]}({arg})"]),
-           (ErrorKind.BAD_ARGUMENTS,
-            ["list_tables(all)" if tool == "list_tables" else f"{tool}()"])]
+           (ErrorKind.UNKNOWN_TOOL, [f"{_TYPO[tool]}({arg})"])]
+    if tool == "query":
+      return out + [(ErrorKind.TOOL_FAILURE, [f"query({s})"])
+                    for s in sql_slips(arg, self.task.domain)]
+    out.append((ErrorKind.BAD_ARGUMENTS,
+                ["list_tables(all)" if tool == "list_tables" else f"{tool}()"]))
     if tool == "describe":
       out.append((ErrorKind.TOOL_FAILURE, [f"describe({arg[:-1]})"]))
-    if tool == "query":
-      out += [(ErrorKind.TOOL_FAILURE, [f"query({s})"]) for s in sql_slips(arg, self.task.domain)]
     return out
 
 
