@@ -24,8 +24,9 @@ noisy-oracle demonstrations 2.5 min, SFT 3.5-5 s a step (8 demonstrations of <= 
 RL 9-11 s of rollout and 50-70 s of update a step at 4 tasks x 8 episodes (the first step ~35 s
 more for compilation). Hence 100 SFT steps (~7 min), RL at 4 x 4 episodes for 4 steps (~2.5 min a
 run, six runs ~15 min), evaluation on 64 test tasks x 4 samples, and small caps on the
-comparison's states: ~40 min estimated in all. The comparison itself could not be timed: on
-the host path it needs the byoenv branch's forced-action rollouts (see the report of 2026-12-07).
+comparison's states: ~40 min estimated in all. The comparison itself could not be timed yet:
+it replays the oracle through forced-action rollouts, which need a JAX-native environment
+(rollout/api.py) until the host path has them.
 """
 
 import ml_collections
