@@ -28,6 +28,7 @@ _REGISTRY: dict[str, str] = {
     "workshop": "jaxagent.envs.workshop:WorkshopEnv",
     # Host (plain Python) environments: the same contract on numpy arrays (envs/host.py).
     "host_lookup": "jaxagent.envs.host:HostLookupEnv",
+    "sql": "jaxagent.envs.sql:SqlEnv",
 }
 
 

@@ -40,9 +40,15 @@ A `HostEpisode` provides:
   prompt() -> (system_pieces: list[str], user_pieces: list[str])   the first observation's texts
   act(call: HostCall | None) -> Outcome    execute one action (None: the action did not parse)
   oracle() -> list[str]                    the expert's next action, as text pieces
-and optionally error_actions() -> [(ErrorKind, text pieces)], plausible mistakes in its current
-state for the noisy-oracle demonstrations (`host_demos.py`). For the training pipeline the env
-also needs `sample_task(key)`, JAX-traceable (the task splits are arrays).
+and optionally
+  act_text(text: str | None) -> Outcome    used instead of `act` when defined: the whole action
+                                           text (None: over max_action_bytes or not UTF-8), for
+                                           tools with free-text arguments that parse their own
+                                           calls (envs/sql)
+  error_actions() -> [(ErrorKind, text pieces)]   plausible mistakes in its current state, for
+                                           the noisy-oracle demonstrations (`host_demos.py`)
+For the training pipeline the env also needs `sample_task(key)`, JAX-traceable (the task splits
+are arrays).
 """
 
 from __future__ import annotations
@@ -92,6 +98,17 @@ def parse_call_text(data: bytes, max_bytes: int) -> HostCall | None:
       a = a[1:-1]
     args.append(a)
   return HostCall(name, args)
+
+
+def decode_action_text(data: bytes, max_bytes: int) -> str | None:
+  """The whole action as text for an episode's `act_text`: None when it is over `max_bytes`
+  bytes or not valid UTF-8."""
+  if len(data) > max_bytes:
+    return None
+  try:
+    return data.decode("utf-8")
+  except UnicodeDecodeError:
+    return None
 
 
 @dataclasses.dataclass
@@ -216,7 +233,10 @@ class HostEnv:
       return np.zeros((0,), np.int32)
     data = self.codec.decode_bytes(tokens[i, :lengths[i]])
     try:
-      out = ep.act(parse_call_text(data, self.max_action_bytes))
+      if (act_text := getattr(ep, "act_text", None)) is not None:
+        out = act_text(decode_action_text(data, self.max_action_bytes))   # free-text tools
+      else:
+        out = ep.act(parse_call_text(data, self.max_action_bytes))
     except Exception as e:
       text = data.decode("utf-8", "replace")
       text = text if len(text) <= 80 else text[:77] + "..."
