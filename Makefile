@@ -46,8 +46,10 @@ run-smollm2: $(VENV)/.base
 # found; seen twice on 2026-12-05, in CI and in a local fresh-clone run, each time in another test
 # that passed when run again) is run once more on a fresh worker. Only such crashes are rerun
 # (--only-rerun matches xdist's "worker ... crashed"): a failing assertion fails at once. Reruns
-# show as "R" and in the summary ("N rerun").
-PYTEST := $(BIN)/python -m pytest -n 2 -q -p no:cacheprovider --reruns 1 --only-rerun crashed
+# show as "R" and in the summary ("N rerun"). `--dist loadgroup --no-loadscope-reorder`: the tests
+# of a module with a module-scoped fixture stay on one worker (it is built once), and tests start in
+# collection order, which tests/conftest.py sorts slow first (longest first balances two workers).
+PYTEST := $(BIN)/python -m pytest -n 2 --dist loadgroup --no-loadscope-reorder -q -p no:cacheprovider --reruns 1 --only-rerun crashed
 
 test: $(VENV)/.test
 	$(PYTEST) tests

@@ -52,3 +52,29 @@ def builtin_tokenizer():
   from transformers import AutoTokenizer
   from jaxagent.models.builtin import BUILTIN_DIRS
   return AutoTokenizer.from_pretrained(str(BUILTIN_DIRS["tiny"]))
+
+
+# ---- scheduling on xdist workers ----------------------------------------------------------------
+# `make test` runs `-n 2 --dist loadgroup`: a test marked `xdist_group(name)` runs on the worker
+# that runs every other test of that group, the rest go one by one to whichever worker is free,
+# in collection order.
+
+
+def _shares_module_state(item) -> bool:
+  """The test uses a module- or class-scoped fixture (a trained run, a loaded model, a benchmark
+  result): split across two workers, each would build it."""
+  info = getattr(item, "_fixtureinfo", None)
+  if info is None:
+    return False
+  return any(d.scope in ("module", "class")
+             for defs in info.name2fixturedefs.values() for d in defs)
+
+
+def pytest_collection_modifyitems(config, items):
+  """Keeps each module's shared fixtures on one worker, and hands out the slow end-to-end tests
+  first, so the long ones start while the other worker still has short ones to balance with
+  (longest first; in collection order, a 4-minute test drawn last leaves one core idle)."""
+  for item in items:
+    if _shares_module_state(item):
+      item.add_marker(pytest.mark.xdist_group(item.module.__name__))
+  items.sort(key=lambda item: item.get_closest_marker("slow") is None)   # stable: slow first
