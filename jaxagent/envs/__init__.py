@@ -21,6 +21,7 @@ _REGISTRY: dict[str, str] = {
     "arithmetic": "jaxagent.envs.arithmetic:ArithmeticEnv",
     "grid": "jaxagent.envs.grid:GridEnv",
     "workshop": "jaxagent.envs.workshop:WorkshopEnv",
+    "sokoban": "jaxagent.envs.sokoban:SokobanEnv",
 }
 
 
