@@ -45,6 +45,8 @@ irreversible (see above).
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -125,7 +127,7 @@ class SokobanEnv:
   """Sokoban with exact optimal turns and an irreversible-push error. See the module docstring.
 
   Knobs:
-    size: the room is size x size cells, its border wall (5..10; the interior is size - 2).
+    size: the room is size x size cells, its border wall (6..10; the interior is size - 2).
     num_boxes: boxes (and targets), 1..3; (size - 2)^2 * binom((size - 2)^2, num_boxes) states
       must stay <= 65,536 (size 10 with 1 box, 9 with 2 and 7 with 3 fit; 10 with 2 does not).
       Sampling cost grows with the states: measured in the tests' module docstring.
@@ -140,8 +142,8 @@ class SokobanEnv:
   def __init__(self, codec: TextCodec, size: int = 6, num_boxes: int = 1,
                wall_density: float = 0.15, min_turns: int = 4, max_turns: int = 12,
                max_action_len: int = 32, max_action_bytes: int = 64):
-    if not 5 <= size <= 10:
-      raise ValueError(f"sokoban size must be in [5, 10], got {size}")
+    if not 6 <= size <= 10:
+      raise ValueError(f"sokoban size must be in [6, 10], got {size}")
     if not 1 <= num_boxes <= 3:
       raise ValueError(f"sokoban num_boxes must be in [1, 3], got {num_boxes}")
     if not 0.0 <= wall_density < 0.6:
@@ -149,7 +151,6 @@ class SokobanEnv:
     if not 1 <= min_turns <= max_turns:
       raise ValueError(f"need 1 <= min_turns <= max_turns, got {min_turns} and {max_turns}")
     n = (size - 2) ** 2
-    import math
     if n * math.comb(n, num_boxes) > levels.MAX_STATES:
       raise ValueError(
           f"sokoban size {size} with {num_boxes} boxes has {n * math.comb(n, num_boxes):,} states "

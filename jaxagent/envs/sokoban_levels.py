@@ -177,10 +177,16 @@ def sample_level(key: jax.Array, space: StateSpace, wall_density: float, min_tur
   ATTEMPTS rooms are drawn (walls of the interior independently with probability wall_density;
   the last room has none), each with k targets on distinct floor cells (uniform). For each,
   `distances` gives the solvable states; the usable ones are 0 < d <= max_turns. The first room
-  whose usable states reach min_turns is kept (else the room whose usable states go farthest:
-  the wall-free room always has some, since a box on a target with two free cells beyond it in a
-  row or column can be pulled off), and the start is uniform among its usable states at
-  distance >= min(min_turns, the farthest usable distance).
+  whose usable states reach min_turns is kept (else the room whose usable states go farthest),
+  and the start is uniform among its usable states at distance >= min(min_turns, the farthest
+  usable distance).
+
+  The wall-free room always has a usable state when m >= 4 and k <= 3: a box one cell off its
+  target t, with the player behind it (cells t + d and t + 2d, free of other boxes), is one push
+  from solved. With m >= 4 every cell has such a line in each axis; blocking both of a target's
+  lines takes one other target in its row and one in its column, and then the target in its row
+  has a free line in its own column (the third target is in the first one's column, not in it).
+  (m = 3 would not do: nothing can be pushed onto the centre.)
 
   Returns {"floor" [n] bool, "targets" [k], "player" [], "boxes" [k] (interior cells, sorted),
   "dist" [N] int32, "optimal_turns" [] int32}.

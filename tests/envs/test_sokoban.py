@@ -222,7 +222,7 @@ def test_a_frozen_pair_of_boxes_is_irreversible(sk2, kit):
 @pytest.mark.parametrize("knobs", [
     dict(size=6, num_boxes=1, wall_density=0.2),
     dict(size=6, num_boxes=2, wall_density=0.15, min_turns=6, max_turns=14),
-    dict(size=5, num_boxes=2, wall_density=0.0, min_turns=3, max_turns=9)])
+    dict(size=7, num_boxes=1, wall_density=0.3, min_turns=3, max_turns=9)])
 def test_sampled_levels_are_solvable_in_the_python_solvers_optimal_turns(builtin_tokenizer, knobs):
   env = envs.make("sokoban", builtin_tokenizer, **knobs)
   b = 40
@@ -244,6 +244,17 @@ def test_sampled_levels_are_solvable_in_the_python_solvers_optimal_turns(builtin
   # Deterministic per key.
   again = jax.jit(jax.vmap(env.sample_task))(jax.random.split(jax.random.key(1), b))
   jax.tree.map(np.testing.assert_array_equal, tasks, again)
+
+
+@pytest.mark.parametrize("size,num_boxes,draws", [(6, 1, 512), (6, 3, 128), (8, 1, 512)])
+def test_every_level_has_a_start_within_the_turn_range(size, num_boxes, draws):
+  """Even in crowded rooms (walls at 0.55, near the largest density allowed) every draw is
+  solvable at 1..max_turns moves (the wall-free fallback room; see `sample_level`)."""
+  sp = sokoban_levels.state_space(size, num_boxes)
+  out = jax.jit(jax.vmap(lambda k: sokoban_levels.sample_level(k, sp, 0.55, 5, 8)))(
+      jax.random.split(jax.random.key(2), draws))
+  opt = np.asarray(out["optimal_turns"])
+  assert np.all((opt >= 1) & (opt <= 8)), np.unique(opt)
 
 
 def test_the_distance_table_is_the_python_solvers_state_by_state(builtin_tokenizer):
@@ -317,8 +328,8 @@ def test_bad_knobs_name_the_fix(builtin_tokenizer):
     envs.make("sokoban", builtin_tokenizer, size=10, num_boxes=2)
   with pytest.raises(ValueError, match="min_turns <= max_turns"):
     envs.make("sokoban", builtin_tokenizer, min_turns=9, max_turns=4)
-  with pytest.raises(ValueError, match=r"size must be in \[5, 10\]"):
-    envs.make("sokoban", builtin_tokenizer, size=4)
+  with pytest.raises(ValueError, match=r"size must be in \[6, 10\]"):
+    envs.make("sokoban", builtin_tokenizer, size=5)
   env = envs.make("sokoban", builtin_tokenizer)
   with pytest.raises(ValueError, match="border must be all walls"):
     env.task_from_text(ERRORS_LEVEL.replace("######", "#__###", 1))
