@@ -25,7 +25,7 @@ Tasks (`sokoban_levels`): S x S rooms with a wall border, interior walls drawn i
 probability `wall_density`, k targets on floor; the exact distance of every state to the solved
 state is computed in JAX by a backward breadth-first search (exhaustive reverse play from the
 solved state), and the start is drawn uniformly among the states at a distance in
-[min(min_turns, the farthest), max_turns]. So every level is solvable by construction and its
+[min(min_moves, the farthest), max_moves]. So every level is solvable by construction and its
 optimal number of moves, stored in the task, is exact. The state keeps that distance table
 ([n * binom(n, k)] int32, n = (S - 2)^2), so the oracle and the irreversibility test are exact
 from every state, on the optimal path or off it. The oracle takes the first of up, down, left,
@@ -132,15 +132,15 @@ class SokobanEnv:
       must stay <= 65,536 (size 10 with 1 box, 9 with 2 and 7 with 3 fit; 10 with 2 does not).
       Sampling cost grows with the states: measured in the tests' module docstring.
     wall_density: probability that an interior cell is a wall (0 <= p < 0.6).
-    min_turns: the start is at least this many moves from solved when the room allows
+    min_moves: the start is at least this many moves from solved when the room allows
       (default 4).
-    max_turns: the start is at most this many moves from solved (default 12; >= min_turns).
+    max_moves: the start is at most this many moves from solved (default 12; >= min_moves).
   """
 
   name = "sokoban"
 
   def __init__(self, codec: TextCodec, size: int = 6, num_boxes: int = 1,
-               wall_density: float = 0.15, min_turns: int = 4, max_turns: int = 12,
+               wall_density: float = 0.15, min_moves: int = 4, max_moves: int = 12,
                max_action_len: int = 32, max_action_bytes: int = 64):
     if not 6 <= size <= 10:
       raise ValueError(f"sokoban size must be in [6, 10], got {size}")
@@ -148,8 +148,8 @@ class SokobanEnv:
       raise ValueError(f"sokoban num_boxes must be in [1, 3], got {num_boxes}")
     if not 0.0 <= wall_density < 0.6:
       raise ValueError(f"wall_density must be in [0, 0.6), got {wall_density}")
-    if not 1 <= min_turns <= max_turns:
-      raise ValueError(f"need 1 <= min_turns <= max_turns, got {min_turns} and {max_turns}")
+    if not 1 <= min_moves <= max_moves:
+      raise ValueError(f"need 1 <= min_moves <= max_moves, got {min_moves} and {max_moves}")
     n = (size - 2) ** 2
     if n * math.comb(n, num_boxes) > levels.MAX_STATES:
       raise ValueError(
@@ -158,7 +158,7 @@ class SokobanEnv:
     self.codec = codec
     self.size, self.num_boxes = int(size), int(num_boxes)
     self.wall_density = float(wall_density)
-    self.min_turns, self.max_turns = int(min_turns), int(max_turns)
+    self.min_moves, self.max_moves = int(min_moves), int(max_moves)
     self.max_action_len = int(max_action_len)
     self.max_action_bytes = int(max_action_bytes)
     self.space = levels.state_space(self.size, self.num_boxes)
@@ -204,7 +204,7 @@ class SokobanEnv:
   # ---- tasks ------------------------------------------------------------------------------
 
   def _level(self, key):
-    return levels.sample_level(key, self.space, self.wall_density, self.min_turns, self.max_turns)
+    return levels.sample_level(key, self.space, self.wall_density, self.min_moves, self.max_moves)
 
   def _task_of(self, level) -> SokobanTask:
     s, m = self.size, self.space.m

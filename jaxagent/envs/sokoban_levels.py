@@ -170,15 +170,15 @@ def distances(space: StateSpace, floor: jax.Array, targets: jax.Array) -> jax.Ar
   return d
 
 
-def sample_level(key: jax.Array, space: StateSpace, wall_density: float, min_turns: int,
-                 max_turns: int) -> dict[str, jax.Array]:
+def sample_level(key: jax.Array, space: StateSpace, wall_density: float, min_moves: int,
+                 max_moves: int) -> dict[str, jax.Array]:
   """A solvable level and its exact distance table. Jittable, vmappable.
 
   ATTEMPTS rooms are drawn (walls of the interior independently with probability wall_density;
   the last room has none), each with k targets on distinct floor cells (uniform). For each,
-  `distances` gives the solvable states; the usable ones are 0 < d <= max_turns. The first room
-  whose usable states reach min_turns is kept (else the room whose usable states go farthest),
-  and the start is uniform among its usable states at distance >= min(min_turns, the farthest
+  `distances` gives the solvable states; the usable ones are 0 < d <= max_moves. The first room
+  whose usable states reach min_moves is kept (else the room whose usable states go farthest),
+  and the start is uniform among its usable states at distance >= min(min_moves, the farthest
   usable distance).
 
   The wall-free room always has a usable state when m >= 4 and k <= 3: a box one cell off its
@@ -199,11 +199,11 @@ def sample_level(key: jax.Array, space: StateSpace, wall_density: float, min_tur
   targets = jnp.sort(order[:, :k], axis=1).astype(jnp.int32)
   enough = jnp.sum(floor, axis=1) > k
   dist = jax.vmap(lambda f, t: distances(space, f, t))(floor, targets)          # [a, N]
-  usable = (dist > 0) & (dist <= max_turns) & enough[:, None]
+  usable = (dist > 0) & (dist <= max_moves) & enough[:, None]
   farthest = jnp.max(jnp.where(usable, dist, 0), axis=1)                        # [a]
-  reach = farthest >= min_turns
+  reach = farthest >= min_moves
   room = jnp.where(jnp.any(reach), jnp.argmax(reach), jnp.argmax(farthest)).astype(jnp.int32)
-  far = jnp.minimum(min_turns, farthest[room])
+  far = jnp.minimum(min_moves, farthest[room])
   pick = usable[room] & (dist[room] >= far)
   start = jnp.argmax(jnp.where(pick, u_start[room], -1.0)).astype(jnp.int32)
   return {"floor": floor[room], "targets": targets[room], "player": start // space.c,

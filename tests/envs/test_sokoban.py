@@ -221,8 +221,8 @@ def test_a_frozen_pair_of_boxes_is_irreversible(sk2, kit):
 
 @pytest.mark.parametrize("knobs", [
     dict(size=6, num_boxes=1, wall_density=0.2),
-    dict(size=6, num_boxes=2, wall_density=0.15, min_turns=6, max_turns=14),
-    dict(size=7, num_boxes=1, wall_density=0.3, min_turns=3, max_turns=9)])
+    dict(size=6, num_boxes=2, wall_density=0.15, min_moves=6, max_moves=14),
+    dict(size=7, num_boxes=1, wall_density=0.3, min_moves=3, max_moves=9)])
 def test_sampled_levels_are_solvable_in_the_python_solvers_optimal_turns(builtin_tokenizer, knobs):
   env = envs.make("sokoban", builtin_tokenizer, **knobs)
   b = 40
@@ -230,7 +230,7 @@ def test_sampled_levels_are_solvable_in_the_python_solvers_optimal_turns(builtin
   recomputed = np.asarray(jax.jit(jax.vmap(env.optimal_turns))(tasks))
   stored = np.asarray(tasks.optimal_turns)
   np.testing.assert_array_equal(stored, recomputed)
-  lo, hi = env.min_turns, env.max_turns
+  lo, hi = env.min_moves, env.max_moves
   solver = []
   for i in range(b):
     walls, targets, boxes, player = np_task(tasks, i)
@@ -240,7 +240,7 @@ def test_sampled_levels_are_solvable_in_the_python_solvers_optimal_turns(builtin
     solver.append(py_solve(walls, targets, boxes, player))
   np.testing.assert_array_equal(stored, np.asarray(solver))
   assert np.all((stored >= 1) & (stored <= hi))
-  assert np.mean(stored >= lo) > 0.9   # the room allows min_turns nearly always
+  assert np.mean(stored >= lo) > 0.9   # the room allows min_moves nearly always
   # Deterministic per key.
   again = jax.jit(jax.vmap(env.sample_task))(jax.random.split(jax.random.key(1), b))
   jax.tree.map(np.testing.assert_array_equal, tasks, again)
@@ -249,7 +249,7 @@ def test_sampled_levels_are_solvable_in_the_python_solvers_optimal_turns(builtin
 @pytest.mark.parametrize("size,num_boxes,draws", [(6, 1, 512), (6, 3, 128), (8, 1, 512)])
 def test_every_level_has_a_start_within_the_turn_range(size, num_boxes, draws):
   """Even in crowded rooms (walls at 0.55, near the largest density allowed) every draw is
-  solvable at 1..max_turns moves (the wall-free fallback room; see `sample_level`)."""
+  solvable at 1..max_moves moves (the wall-free fallback room; see `sample_level`)."""
   sp = sokoban_levels.state_space(size, num_boxes)
   out = jax.jit(jax.vmap(lambda k: sokoban_levels.sample_level(k, sp, 0.55, 5, 8)))(
       jax.random.split(jax.random.key(2), draws))
@@ -287,13 +287,13 @@ def test_the_distance_table_is_the_python_solvers_state_by_state(builtin_tokeniz
 
 @pytest.mark.parametrize("tokenizer,knobs", [
     ("builtin", dict(size=6, num_boxes=1)),
-    ("large", dict(size=6, num_boxes=2, wall_density=0.1, min_turns=5, max_turns=10))])
+    ("large", dict(size=6, num_boxes=2, wall_density=0.1, min_moves=5, max_moves=10))])
 def test_oracle_solves_every_task_in_optimal_turns(request, kit, tokenizer, knobs):
   env = envs.make("sokoban", request.getfixturevalue(f"{tokenizer}_tokenizer"), **knobs)
   b = 128
   keys = jax.random.split(jax.random.key(0), b)   # the keys kit.run_oracle resets with
   opt = np.asarray(jax.jit(jax.vmap(lambda k: env.sample_task(k).optimal_turns))(keys))
-  assert np.all((opt >= 1) & (opt <= env.max_turns))
+  assert np.all((opt >= 1) & (opt <= env.max_moves))
   budget = np.where(np.arange(b) % 2 == 0, -1, opt).astype(np.int32)
   infos, state = kit.run_oracle(env, batch=b, budget=budget)
   assert len(infos) == opt.max()
@@ -326,8 +326,8 @@ def test_noisy_oracle_errors_leave_the_state_and_the_plan_intact(builtin_tokeniz
 def test_bad_knobs_name_the_fix(builtin_tokenizer):
   with pytest.raises(ValueError, match="smaller size or fewer boxes"):
     envs.make("sokoban", builtin_tokenizer, size=10, num_boxes=2)
-  with pytest.raises(ValueError, match="min_turns <= max_turns"):
-    envs.make("sokoban", builtin_tokenizer, min_turns=9, max_turns=4)
+  with pytest.raises(ValueError, match="min_moves <= max_moves"):
+    envs.make("sokoban", builtin_tokenizer, min_moves=9, max_moves=4)
   with pytest.raises(ValueError, match=r"size must be in \[6, 10\]"):
     envs.make("sokoban", builtin_tokenizer, size=5)
   env = envs.make("sokoban", builtin_tokenizer)
