@@ -130,7 +130,7 @@ class SokobanEnv:
     size: the room is size x size cells, its border wall (6..10; the interior is size - 2).
     num_boxes: boxes (and targets), 1..3; (size - 2)^2 * binom((size - 2)^2, num_boxes) states
       must stay <= 65,536 (size 10 with 1 box, 9 with 2 and 7 with 3 fit; 10 with 2 does not).
-      Sampling cost grows with the states: measured in the tests' module docstring.
+      Sampling and reset cost grow with the states (see `sokoban_levels`' module docstring).
     wall_density: probability that an interior cell is a wall (0 <= p < 0.6).
     min_moves: the start is at least this many moves from solved when the room allows
       (default 4).

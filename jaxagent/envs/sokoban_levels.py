@@ -25,7 +25,10 @@ states at a chosen distance, so every level is solvable by construction and its 
 moves is known exactly.
 
 Cost: N = n * binom(n, k) states, each round gathers N * 4 entries. Size 6 (n = 16) with one box
-is 256 states, two boxes 1,920; the environment refuses more than MAX_STATES.
+is 256 states, two boxes 1,920; the environment refuses more than MAX_STATES. Drawing 512 levels
+(jit(vmap(sample_level)), ATTEMPTS rooms each, after compilation; 2-core AMD EPYC shared with
+other jobs, 2026-12-07): size 6 with one box 0.04 s, two boxes 0.7 s; size 7 with two boxes
+(7,500 states) 3.8 s.
 """
 
 from __future__ import annotations
