@@ -24,10 +24,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
                      "(configs/sokoban.py:<variant>)")
   c = default.get_config(variant)
   c.env.name = "sokoban"
-  # One box in a 6 x 6 room (4 x 4 inside, ~2 interior walls), RAGEN's standard size; starts 2-5
-  # moves from solved (2,000 draws: 2: 19%, 3: 22%, 4: 27%, 5: 33%; 2.2 interior walls on average), so the
-  # tight budget of 5 turns leaves no slack on the longest and the generous 10 room for an error
-  # or two.
+  # One box in a 6 x 6 room (4 x 4 inside), RAGEN's standard size; starts 2-5 moves from solved
+  # (2,000 draws: 2: 19%, 3: 22%, 4: 27%, 5: 33%; 2.2 interior walls on average), so the tight
+  # budget of 5 turns leaves no slack on the longest and the generous 10 room for an error or
+  # two.
   c.env.difficulty = ml_collections.ConfigDict(
       {"size": 6, "num_boxes": 1, "wall_density": 0.15, "min_moves": 2, "max_moves": 5})
   # Each step shows the board (~56 tokens with the built-in tokenizer, 144 reserved), so

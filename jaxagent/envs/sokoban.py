@@ -190,7 +190,8 @@ class SokobanEnv:
     self._error_dir = np.asarray(list(range(4)) + [DIRECTIONS.index(d) for d in per_dir], np.int32)
     spec = jax.eval_shape(self.sample_task, jax.random.PRNGKey(0))
     state_spec = jax.eval_shape(lambda t: self._initial_state(t, jnp.int32(-1)), spec)
-    prompt_cap = jax.eval_shape(lambda st: concat(self._prompt_pieces(st)), state_spec).tokens.shape[0]
+    prompt_cap = jax.eval_shape(
+        lambda st: concat(self._prompt_pieces(st)), state_spec).tokens.shape[0]
     self._step_cap = jax.eval_shape(
         lambda st: concat(self._step_pieces(0, st, 0)), state_spec).tokens.shape[0]
     self.max_obs_len = int(max(prompt_cap, self._step_cap))
@@ -434,6 +435,7 @@ class SokobanEnv:
       raise ValueError(f"need {k} targets, {k} boxes and one player; got {len(targets)}, "
                        f"{len(boxes)} and {len(player)}")
     task = SokobanTask(walls=jnp.asarray(walls), targets=jnp.asarray(targets, jnp.int32),
-                       boxes=jnp.asarray(boxes, jnp.int32), player=jnp.asarray(player[0], jnp.int32),
+                       boxes=jnp.asarray(boxes, jnp.int32),
+                       player=jnp.asarray(player[0], jnp.int32),
                        optimal_turns=jnp.int32(0))
     return task.replace(optimal_turns=jax.jit(self.optimal_turns)(task))

@@ -125,7 +125,8 @@ def test_prompt_and_board_rendering_are_exact(sk2, kit):
   state, _ = sk2.reset(jax.random.key(0), task, -1)
   state, obs, info = sk2.step(state, kit.action(codec, "move(down)", env.max_action_len))
   board = "######\n#.$__#\n#@*__#\n#____#\n#__#_#\n######"
-  assert codec.decode(obs) == chat["pre_obs"] + "You move down.\n" + board + chat["obs_to_assistant"]
+  assert codec.decode(obs) == (chat["pre_obs"] + "You move down.\n" + board
+                               + chat["obs_to_assistant"])
   assert env.board_text(task, [2, 1]) == board + "\n"
   # Pushing the box (1, 2) onto nothing: from (1, 1) right -> the box to (1, 3).
   state, _ = sk2.reset(jax.random.key(0), task, 3)
@@ -342,7 +343,8 @@ def test_the_state_space_ranks_every_box_set_once():
   assert sp.num_states == 16 * 120 and np.all(np.diff(sp.combos, axis=1) > 0)
 
 
-@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=30, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
 def test_arbitrary_tokens_never_break_the_env(sk, kit, data):
   state, new, _, info = kit.arbitrary_step(sk, data, budgets=[-1, 0, 3],
@@ -355,7 +357,8 @@ def test_arbitrary_tokens_never_break_the_env(sk, kit, data):
 _words = st.sampled_from(("move", "mvoe", "up", "down", "left", "right", "north", "'up'", ""))
 
 
-@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=20, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(tool=_words, args=st.lists(_words, max_size=3), pad=st.sampled_from(["", " ", "  "]))
 def test_the_same_text_tokenised_differently_acts_identically(sk, kit, tool, args, pad):
   text = f"{pad}{tool}({pad}{(',' + pad).join(args)})"
