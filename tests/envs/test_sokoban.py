@@ -364,3 +364,23 @@ def test_the_same_text_tokenised_differently_acts_identically(sk, kit, tool, arg
   text = f"{pad}{tool}({pad}{(',' + pad).join(args)})"
   state, _ = sk.reset(jax.random.key(0), sk.env.task_from_text(ERRORS_LEVEL), 5)
   kit.assert_splits_act_alike(sk, state, text)
+
+
+@pytest.mark.parametrize("variant", ["default", "quick", "smoke"])
+def test_the_study_config_builds_and_its_budgets_cover_the_tasks(variant, builtin_tokenizer):
+  from configs import sokoban as sokoban_config
+  from jaxagent.runs import config as rc
+  c = sokoban_config.get_config(variant)
+  rc.validate(c)
+  st = rc.study_config(c)
+  assert c.env.name == "sokoban" and st.seeds >= 2
+  env = envs.make("sokoban", builtin_tokenizer, **dict(c.env.difficulty))
+  opt = np.asarray(jax.jit(jax.vmap(lambda k: env.sample_task(k).optimal_turns))(
+      jax.random.split(jax.random.key(0), 256)))
+  # Every task fits the generous budget and the evaluation's T_max; outside the smoke run the
+  # tight budget is the longest start's optimal turns.
+  tight, generous = (int(b.split(":")[1]) for b in (st.tight_budget, st.generous_budget))
+  assert opt.max() == env.max_moves <= generous <= c.eval.max_turns
+  assert tight == env.max_moves or variant == "smoke"
+  with pytest.raises(ValueError, match="use default, quick or smoke"):
+    sokoban_config.get_config("full")
