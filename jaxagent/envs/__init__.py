@@ -26,6 +26,7 @@ _REGISTRY: dict[str, str] = {
     "arithmetic": "jaxagent.envs.arithmetic:ArithmeticEnv",
     "grid": "jaxagent.envs.grid:GridEnv",
     "workshop": "jaxagent.envs.workshop:WorkshopEnv",
+    "sokoban": "jaxagent.envs.sokoban:SokobanEnv",
     # Host (plain Python) environments: the same contract on numpy arrays (envs/host.py).
     "host_lookup": "jaxagent.envs.host:HostLookupEnv",
     "sql": "jaxagent.envs.sql:SqlEnv",

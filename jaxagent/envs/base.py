@@ -42,6 +42,8 @@ class ErrorKind(enum.IntEnum):
   TOOL_FAILURE = 4         # valid call that the tool rejects (no such entry, a wall in the way)
   PRECONDITION_FAILED = 5  # valid call not possible in the current state (door locked, ...)
   WRONG_ANSWER = 6         # a final answer that is wrong (ends the episode unsolved)
+  IRREVERSIBLE = 7         # an executed, valid action after which the task cannot be solved any
+                           # more (sokoban: a push into a deadlock); valid_call is True
 
 
 ERROR_KIND_NAMES = tuple(k.name.lower() for k in ErrorKind)

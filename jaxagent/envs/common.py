@@ -235,10 +235,12 @@ def capacity(pieces: list) -> int:
 
 def is_valid_call(error_kind: jax.Array) -> jax.Array:
   """`StepInfo.valid_call` from the error kind, the same rule in every environment: the action
-  parsed, named a tool, had valid arguments and the tool executed it (NONE, or WRONG_ANSWER: a
-  well-formed final answer that is wrong). TOOL_FAILURE / PRECONDITION_FAILED calls are not valid:
-  repeating them is not a recovery."""
-  return (error_kind == ErrorKind.NONE) | (error_kind == ErrorKind.WRONG_ANSWER)
+  parsed, named a tool, had valid arguments and the tool executed it (NONE; WRONG_ANSWER, a
+  well-formed final answer that is wrong; IRREVERSIBLE, an executed move that makes the task
+  unsolvable). TOOL_FAILURE / PRECONDITION_FAILED calls are not valid: repeating them is not a
+  recovery."""
+  return ((error_kind == ErrorKind.NONE) | (error_kind == ErrorKind.WRONG_ANSWER)
+          | (error_kind == ErrorKind.IRREVERSIBLE))
 
 
 def finish_step(state, new_state, obs: TokenBuffer, info: StepInfo):

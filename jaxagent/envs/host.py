@@ -261,7 +261,7 @@ class HostEnv:
     info["solved"][i] = out.solved
     info["final_answer"][i] = out.final_answer
     info["error_kind"][i] = int(out.error_kind)
-    info["valid_call"][i] = out.error_kind in (ErrorKind.NONE, ErrorKind.WRONG_ANSWER)
+    info["valid_call"][i] = bool(common.is_valid_call(np.int32(out.error_kind)))
     info["oracle_match"][i] = out.oracle_match
     return row
 

@@ -10,7 +10,9 @@ of kind k:
 and the same over all kinds pooled ("all"), over the errors that need a *different action*
 ("action": tool_failure, precondition_failed, wrong_answer: the call was well formed, re-emitting
 it does not help) and over *format* errors ("format": parse_error, unknown_tool, bad_arguments:
-fixing them is re-emitting a well-formed call, the same skill as step validity). A valid call
+fixing them is re-emitting a well-formed call, the same skill as step validity). Irreversible
+errors (sokoban's push into a deadlock) end their episode, so they open no error state; an
+environment that went on after one would have those states counted in "all" only. A valid call
 (`StepInfo.valid_call`) excludes tool failures and unmet preconditions, so repeating a failed call
 is not a recovery. Intervals resample tasks (`step_quality.bootstrap_rate`).
 

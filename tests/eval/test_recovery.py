@@ -63,9 +63,10 @@ def test_on_policy_recovery_by_kind_exact():
   np.testing.assert_array_equal(o["kind"], [K.PARSE_ERROR, K.TOOL_FAILURE, K.UNKNOWN_TOOL,
                                             K.PARSE_ERROR])
   counts = recovery.recovery_counts(o["kind"], o["valid"], o["oracle"])
-  np.testing.assert_array_equal(counts["n"], [0, 2, 1, 0, 1, 0, 0])
-  np.testing.assert_array_equal(counts["valid"], [0, 2, 0, 0, 1, 0, 0])
-  np.testing.assert_array_equal(counts["oracle"], [0, 2, 0, 0, 0, 0, 0])
+  # One entry per ErrorKind, irreversible (7) included.
+  np.testing.assert_array_equal(counts["n"], [0, 2, 1, 0, 1, 0, 0, 0])
+  np.testing.assert_array_equal(counts["valid"], [0, 2, 0, 0, 1, 0, 0, 0])
+  np.testing.assert_array_equal(counts["oracle"], [0, 2, 0, 0, 0, 0, 0, 0])
   r = recovery.on_policy_recovery(traj, num_bootstrap=200, confidence=0.9, seed=0)
   assert set(r) == {"all", "action", "format", "parse_error", "unknown_tool", "tool_failure"}
   assert r["action"]["valid"]["n"] == 1 and r["format"]["valid"]["n"] == 3
