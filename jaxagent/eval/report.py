@@ -273,7 +273,7 @@ def sharpening_md(sh: dict | None, claims: dict) -> list[str]:
   if not sh:
     return []
   out = ["## Sharpening control: RL vs a sharpened base (secondary)", "", sh["definition"], ""]
-  rows = [[b, t, fmt(r["entropy"]), fmt_rate(r["valid"]), fmt_rate(r["oracle"]),
+  rows = [[b, t, fmt_rate(r["entropy"]), fmt_rate(r["valid"]), fmt_rate(r["oracle"]),
            fmt_rate(r.get("oracle_prob"))]
           for b, per in sh["base_sweep"].items() for t, r in per.items()]
   out += table(["base", "temperature", "entropy (nats/token)", "valid-call rate",

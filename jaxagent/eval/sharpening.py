@@ -74,10 +74,11 @@ class Sharpening:
   runs: dict = dataclasses.field(default_factory=dict)   # sharpened label -> its data
 
   def record(self, rates: dict) -> dict:
-    """comparison.json's "sharpening" (rates: label -> {T: step-quality rates overall})."""
+    """comparison.json's "sharpening" (rates: base -> {T: step-quality rates overall, the entropy
+    among them with its interval over tasks})."""
     return {"definition": DEFINITION, "temperatures": list(self.temperatures),
-            "base_sweep": {b: {f"{t:g}": {"entropy": self.entropy[b][t], **rates[b][t]}
-                               for t in self.temperatures} for b in self.sweep},
+            "base_sweep": {b: {f"{t:g}": rates[b][t] for t in self.temperatures}
+                           for b in self.sweep},
             "entropy": {lab: h for lab, h in self.entropy.items() if lab not in self.sweep},
             "matched": {lab: {"base": b, "temperature": t, "label": label(b, t),
                               "entropy_rl": self.entropy[lab],

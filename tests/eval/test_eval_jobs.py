@@ -302,10 +302,12 @@ def test_compare_decides_each_claim_on_its_arm(run_dir, ev, latest, tmp_path):
   # decided against that sharpened base (secondary).
   sh = saved["sharpening"]
   sweep = sh["base_sweep"]["base"]
-  assert list(sweep) == ["1", "0.7", "0.5", "0.3", "0"] and sweep["0"]["entropy"] == 0
-  assert sweep["1"]["entropy"] > sweep["0.3"]["entropy"] > 0
+  h = {t: r["entropy"]["rate"] for t, r in sweep.items()}
+  assert list(h) == ["1", "0.7", "0.5", "0.3", "0"] and h["0"] == 0
+  assert h["1"] > h["0.3"] > 0
   for lab, m in sh["matched"].items():
-    dist = {t: abs(r["entropy"] - m["entropy_rl"]) for t, r in sweep.items()}
+    assert m["entropy_base"] == pytest.approx(h[f"{m['temperature']:g}"])
+    dist = {t: abs(v - m["entropy_rl"]) for t, v in h.items()}
     assert m["base"] == "base" and dist[f"{m['temperature']:g}"] == min(dist.values())
   for n in range(1, 6):
     c = saved["claims"][str(n)]
