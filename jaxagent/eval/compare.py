@@ -253,8 +253,7 @@ def measure(rs: RunSet, config, e: sections.EvalConfig, programs=None) -> Measur
   if e.sharpen_temperatures:
     sh = sharpening.sweep(ev, params, policy.refs, rs.bases, rs.arms, policy.step_quality,
                           k_act, e.sharpen_temperatures, e.temperature)
-    sharpening.evaluate(sh, ev, params, policy.errs, k_roll, k_act, e.temperature,
-                        deciding_arms(rs))
+    sharpening.evaluate(sh, ev, params, policy.errs, k_roll, k_act, deciding_arms(rs))
     for lab, r in sh.runs.items():
       loglik.add(lab, r["params"], r["traj"], r["temperature"])
   return Measured(ev, trajs, policy, loglik, sh)

@@ -31,8 +31,6 @@ from __future__ import annotations
 import dataclasses
 import math
 
-import numpy as np
-
 from jaxagent.eval import pass_at_kt, step_quality
 
 DEFINITION = (
@@ -118,8 +116,7 @@ def sweep(ev, params: dict, refs, bases: list[str], rl: dict[str, list[str]], ou
   return Sharpening(ts, sw, ent, matched, arms)
 
 
-def evaluate(sh: Sharpening, ev, params: dict, errs, k_roll, k_act, eval_temperature: float,
-             need: list[str]) -> None:
+def evaluate(sh: Sharpening, ev, params: dict, errs, k_roll, k_act, need: list[str]) -> None:
   """Evaluates each distinct sharpened base that the arms `need` use (not the bases themselves,
   at the evaluation temperature): its Pass@(K,T) rollouts with the evaluation's key, its actions
   on the error states (at T*, with the sampled mode's key) and its reference-state actions from
@@ -147,7 +144,3 @@ def rates_overall(ev, sh: Sharpening, refs) -> dict:
   return {b: {t: ev.quality({"sampled": o}, refs)["sampled"]["overall"] for t, o in per.items()}
           for b, per in sh.sweep.items()}
 
-
-def temperatures_of(sh: Sharpening, labels) -> np.ndarray:
-  """The temperature each label acts at (a sharpened base's T*, else NaN)."""
-  return np.asarray([sh.runs[lab]["temperature"] if lab in sh.runs else np.nan for lab in labels])
