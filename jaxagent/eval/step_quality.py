@@ -167,12 +167,18 @@ def concat_states(parts: Sequence[ReferenceStates]) -> ReferenceStates:
 
 
 def next_actions(fn: Callable[..., NextAction], params, refs: ReferenceStates, key,
-                 temperature: float, batch_size: int) -> dict[str, np.ndarray]:
+                 temperature: float, batch_size: int, order: bool = True
+                 ) -> dict[str, np.ndarray]:
   """Runs `fn` (from `jaxagent.rollout.replay.make_next_action_fn`) over all states in
   fixed-size batches.
 
   The last batch is padded with copies of state 0 (dropped from the output), so every call has
-  the shape [batch_size, P]. Batch i uses fold_in(key, i).
+  the shape [batch_size, P]. Batch i uses fold_in(key, i). order: batch the states by prefix
+  length (stable; outputs in the states' order), so a batch's prefill runs only to its own
+  longest prefix: 512 states of the default config (prefixes of 307-902 tokens, 8-token actions)
+  took 7.67 s instead of 11.18 (best of 7 interleaved rounds, 2-core AMD EPYC shared, load 9-13,
+  2026-12-07). Greedy outcomes do not depend on it; sampled ones are other draws of the same
+  distribution.
 
   Returns host arrays [N]: valid_call, oracle_match (bool), error_kind, length, scored (int32),
   entropy, oracle_logp (float32; `jaxagent.rollout.replay.NextAction`), and tokens [N, A_env].
@@ -188,17 +194,19 @@ def next_actions(fn: Callable[..., NextAction], params, refs: ReferenceStates, k
   states = jax.tree.map(
       lambda x: x if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key) else np.asarray(x),
       refs.env_state)
+  perm = np.argsort(refs.prefix_len, kind="stable") if order else np.arange(n)
   for i, start in enumerate(range(0, n, batch_size)):
     idx = np.arange(start, start + batch_size)
     real = idx < n
-    idx = np.where(real, idx, 0)
+    idx = perm[np.where(real, idx, 0)]
     got = fn(params, jnp.asarray(refs.prefix[idx]), jnp.asarray(refs.prefix_len[idx]),
              jax.tree.map(lambda x: jnp.asarray(x[idx]), states),
              jax.random.fold_in(key, i), sc)
     got = jax.device_get(got)
     for k in out:
       out[k].append(np.asarray(getattr(got, k))[real])
-  return {k: np.concatenate(v) for k, v in out.items()}
+  inv = np.argsort(perm)
+  return {k: np.concatenate(v)[inv] for k, v in out.items()}
 
 
 # ---- rates --------------------------------------------------------------------------------------

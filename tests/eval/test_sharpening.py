@@ -167,3 +167,19 @@ def test_next_action_entropy_and_oracle_logp_match_teacher_forced_scoring(states
                                       sampler.SamplingConfig.make(0.0), ACTION_TOKENS, last, 0))
   on_path = np.asarray(gen.tokens[:, -1]) == last
   assert on_path[0] and np.all(lp[on_path] == 0) and np.all(lp[~on_path] == -np.inf)
+
+
+def test_batching_by_prefix_length_changes_no_greedy_outcome(states):
+  policy, env, refs = states
+  assert np.any(np.diff(refs.prefix_len) < 0)          # the stored order is not by length
+  fn = replay.make_next_action_fn(policy.config, env, ACTION_TOKENS)
+  by_len = step_quality.next_actions(fn, policy.params, refs, jax.random.key(2), 0.0, 4)
+  stored = step_quality.next_actions(fn, policy.params, refs, jax.random.key(2), 0.0, 4,
+                                     order=False)
+  for k in step_quality.FIELDS:
+    np.testing.assert_array_equal(by_len[k], stored[k], err_msg=k)
+  # Sampled: the same key gives the same outcomes, in the states' order.
+  a = step_quality.next_actions(fn, policy.params, refs, jax.random.key(3), 1.0, 4)
+  b = step_quality.next_actions(fn, policy.params, refs, jax.random.key(3), 1.0, 4)
+  for k in step_quality.FIELDS:
+    np.testing.assert_array_equal(a[k], b[k], err_msg=k)
