@@ -24,6 +24,8 @@ Quality over a set S of states (per policy, per decoding mode):
 
     valid_rate  = |{s in S : valid_call(s)}| / |S|
     oracle_rate = |{s in S : oracle_match(s)}| / |S|
+    oracle_prob = sum_{s in S} p_policy(oracle action + <eot> | s) / |S|   (expected match)
+    entropy     = sum_{s in S} sum_i H_i(s) / sum_{s in S} (tokens sampled at s)   (nats/token)
 
 reported overall, by source of the prefixes (oracle / base) and by environment, each with a
 percentile bootstrap interval that resamples tasks (`jaxagent.eval.evidence`).
