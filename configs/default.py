@@ -211,6 +211,11 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.eval.extra_envs = ""
   # K values of the pass-vs-T curves (those <= num_samples are drawn).
   c.eval.curve_ks = "1,2,4,8"
+  # The sharpening control (docs/STUDY.md): the comparison acts with every base at each of these
+  # temperatures (0 = greedy) on the reference states, measures each policy's action entropy
+  # there, and reports every claim also against the base at the temperature whose entropy is
+  # nearest the RL run's ("RL vs a sharpened base"; secondary). "" = no sweep.
+  c.eval.sharpen_temperatures = "1,0.7,0.5,0.3,0"
 
   if variant == "quick":
     # Under 5 minutes on a 2-core CPU: the same pipeline with fewer tasks and steps (the base

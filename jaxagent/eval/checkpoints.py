@@ -170,15 +170,8 @@ def _evaluate_checkpoint(config, workdir, step: int | None = None, *,
   temp = e.temperature
 
   # Pass@(K,T): the T_max run (truncation) or one run per budget (rerun), same keys for every T.
-  if e.mode == "truncation":
-    traj = ev.rollouts(params, k_roll, ev.max_turns, budget_visible=False, temperature=temp)
-    runs = [traj]
-  else:
-    runs = [ev.rollouts(params, k_roll, t, budget_visible=ev.budget_visible, temperature=temp)
-            for t in ev.budgets]
-    traj = runs[-1]
+  traj, success_by_t = ev.pass_rollouts(params, k_roll, temp)
   n = e.num_samples
-  success_by_t = np.stack([np.asarray(r.success_turn).reshape(ev.num_tasks, n) for r in runs])
   grid = ev.pass_grid(success_by_t)
   lap("policy_rollouts")
   t_top = ev.max_turns if e.mode == "truncation" else ev.budgets[-1]

@@ -131,6 +131,10 @@ class StudyData:
   rec_kind: np.ndarray
   loglik: Callable[[str, str], dict]
   traj_task: dict[str, np.ndarray]
+  # The sharpening control (`jaxagent.eval.sharpening`): arm -> the label, per seed, of the base
+  # that seed is also compared with (its own base at the temperature matching its action
+  # entropy); those labels have entries in pass1, step, rec, traj_task and loglik.
+  sharpened: dict[str, list[str]] = dataclasses.field(default_factory=dict)
 
   @property
   def num_seeds(self) -> int:
@@ -156,14 +160,21 @@ BASE = "<base>"   # the arm name `_Stats` reads as "each seed's base run"
 class _Stats:
   """Estimates over one `Resampler` (the same seeds and tasks drawn for every one)."""
 
-  def __init__(self, data: StudyData, num_bootstrap: int, seed: int):
+  def __init__(self, data: StudyData, num_bootstrap: int, seed: int,
+               base_labels: list[str] | None = None):
+    """base_labels: the run each seed's BASE reads (default its base run, `base_of`), e.g. the
+    sharpened bases of one arm."""
     self.d = data
     self.s = data.num_seeds
     self.r = evidence.Resampler(max(self.s, 1), data.num_tasks, num_bootstrap, seed,
                                 seedmodel.unit_groups(max(self.s, 1), len(data.bases)))
+    self.base_labels = base_labels or [data.base_of(u) for u in range(self.s)]
 
   def labels(self, arm: str) -> list[str]:
-    return self.d.arms[arm] if arm != BASE else [self.d.base_of(u) for u in range(self.s)]
+    return self.d.arms[arm] if arm != BASE else self.base_labels
+
+  def base_of(self, u: int) -> str:
+    return self.base_labels[u]
 
   def pass1(self, arm: str, t) -> Estimate:
     return self.r.ratio(np.stack([at_budget(self.d.pass1[lab], self.d.t_values, t)
@@ -301,8 +312,8 @@ def claim4(st: _Stats, arm: str, rules: Rules) -> dict:
   (today's stricter one): x - y > margin, y the same gap to another seed of the arm."""
   labs = st.d.arms[arm]
   s = len(labs)
-  x_pairs = [(labs[u], labs[u], st.d.base_of(u)) for u in range(s)]
-  back = [(st.d.base_of(u), st.d.base_of(u), labs[u]) for u in range(s)]
+  x_pairs = [(labs[u], labs[u], st.base_of(u)) for u in range(s)]
+  back = [(st.base_of(u), st.base_of(u), labs[u]) for u in range(s)]
   x, rev = st.loglik_gap(x_pairs), st.loglik_gap(back)
   details = dict(rl_vs_base=x, base_trajectories_base_vs_rl=rev,
                  per_token_rl_vs_base=st.token_gap(x_pairs))
@@ -393,6 +404,11 @@ def decide_claims(data: StudyData, rules: Rules, *, num_bootstrap: int, seed: in
       4: (standard, rl, lambda a: claim4(st, a, rules)),
       5: (standard, rl, lambda a: claim5(st, a, rules)),
   }
+  sharp = {a: _Stats(data, num_bootstrap, seed, labs) for a, labs in data.sharpened.items()}
+  against = {
+      1: lambda a: claim1(sharp[a], a, rules), 2: lambda a: claim2(sharp[a], a, rules),
+      3: lambda a: claim3(sharp[a], a, fixed, rules), 4: lambda a: claim4(sharp[a], a, rules),
+      5: lambda a: claim5(sharp[a], a, rules)}
   out = {}
   for num, (decider, arms, fn) in plan.items():
     per = {a: fn(a) for a in arms}
@@ -403,5 +419,14 @@ def decide_claims(data: StudyData, rules: Rules, *, num_bootstrap: int, seed: in
                    "no fixed-budget (standard RL) arm to decide on")
     else:
       c["verdict"] = per[decider]["verdict"]
+      if decider in sharp:
+        c["sharpened"] = {"against": sharp[decider].base_labels, "about": SHARPENED_NOTE,
+                          **against[num](decider)}
     out[num] = c
   return out
+
+
+SHARPENED_NOTE = ("RL vs a sharpened base (secondary, never the verdict): the same rule with "
+                  "each seed's base replaced by that base sampled at the temperature whose action "
+                  "entropy on the reference states is nearest the RL run's "
+                  "(jaxagent.eval.sharpening)")

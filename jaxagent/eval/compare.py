@@ -28,7 +28,7 @@ import jax
 import numpy as np
 
 from jaxagent.eval import claims as claims_lib
-from jaxagent.eval import evidence, likelihood, pass_at_kt, plots, power, report
+from jaxagent.eval import evidence, likelihood, pass_at_kt, plots, power, report, sharpening
 from jaxagent.eval.checkpoints import recovery_bars
 from jaxagent.eval.evaluator import TRAJ_FIELDS, Evaluator, PolicyAnalyses
 from jaxagent.rollout.budget import Budget
@@ -175,16 +175,28 @@ class LogLikelihoods:
 
   def __init__(self, ev: Evaluator, params: dict, trajs: dict[str, Trajectory],
                e: sections.EvalConfig):
-    self.ev, self.params, self.trajs, self.e = ev, params, trajs, e
+    self.ev, self.params, self.trajs, self.e = ev, dict(params), dict(trajs), e
     self.rows = {lab: ev.likelihood_rows(int(np.asarray(t.length).shape[0]))
                  for lab, t in trajs.items()}
+    self.temps: dict[str, float] = {}      # label -> scoring temperature (default the eval's)
     self._scored: dict = {}
+
+  def add(self, label: str, params, traj: Trajectory, temperature: float) -> None:
+    """Another policy: `params` scoring at `temperature` (a sharpened base), with its own
+    trajectories. Greedy (0) has no finite likelihood: its scores are NaN."""
+    self.params[label], self.trajs[label], self.temps[label] = params, traj, temperature
+    self.rows[label] = self.ev.likelihood_rows(int(np.asarray(traj.length).shape[0]))
 
   def __call__(self, a: str, b: str) -> dict:
     if (a, b) not in self._scored:
       t, r = self.trajs[a], self.rows[a]
+      temp = self.temps.get(b, self.e.temperature)
+      if temp == 0:
+        nan = np.full((len(r),), np.nan)
+        self._scored[(a, b)] = {"sum": nan, "mean": nan, "count": np.zeros((len(r),))}
+        return self._scored[(a, b)]
       lp = likelihood.score_rows(self.ev.model_config, self.params[b], np.asarray(t.tokens)[r],
-                                 np.asarray(t.length)[r], self.e.temperature, self.e.score_batch)
+                                 np.asarray(t.length)[r], temp, self.e.score_batch)
       self._scored[(a, b)] = likelihood.agent_loglik(lp, np.asarray(t.loss_mask)[r])
     return self._scored[(a, b)]
 
@@ -206,12 +218,24 @@ class Measured:
   trajs: dict[str, Trajectory]     # label -> its stored evaluation trajectories
   policy: PolicyAnalyses           # step quality and controlled recovery of every run
   loglik: LogLikelihoods           # (trajectories' label, scoring label) -> log-likelihoods
+  sharpening: sharpening.Sharpening | None = None    # the sharpening control (None: no sweep)
+
+
+def deciding_arms(rs: RunSet) -> list[str]:
+  """The arms the claims are decided on (`claims.StudyData.standard_arm`, the first mix arm)."""
+  fixed = [a for a in rs.arms if rs.kinds[a] == "fixed"]
+  mixes = [a for a in rs.arms if rs.kinds[a] == "mix"]
+  return ([max(fixed, key=lambda a: rs.turns[a])] if fixed else []) + mixes[:1]
 
 
 def measure(rs: RunSet, config, e: sections.EvalConfig, programs=None) -> Measured:
   """Restores every run's evaluated params and analyses all of them on one common set of states:
   oracle prefixes (rolled out with config.eval.seed's key on the first base's test tasks) and
-  the first base run's stored trajectories (prefixes and error states)."""
+  the first base run's stored trajectories (prefixes and error states). With
+  config.eval.sharpen_temperatures, the sharpening control (`jaxagent.eval.sharpening`): every
+  base acts at each temperature on the reference states, every RL run of the deciding arms is
+  matched to a sharpened base by action entropy, and each distinct sharpened base is evaluated
+  (Pass@(K,T) rollouts, error-state actions, likelihoods)."""
   rep0, eps0 = rs.evals[rs.bases[0]]
   test_arrays = {k[len("task/"):]: v for k, v in eps0.items() if k.startswith("task/")}
   ev = Evaluator(config, test_arrays=test_arrays, programs=programs)
@@ -219,12 +243,20 @@ def measure(rs: RunSet, config, e: sections.EvalConfig, programs=None) -> Measur
   params = {lab: ev.restore(rs.workdirs[lab], rep["run"]["phase"], rep["run"]["step"])
             for lab, (rep, _) in rs.evals.items()}
   trajs = {lab: _traj_from(eps) for lab, (_, eps) in rs.evals.items()}
-  _, k_oracle, k_act = jax.random.split(jax.random.key(e.seed), 3)
+  k_roll, k_oracle, k_act = jax.random.split(jax.random.key(e.seed), 3)
   oracle_traj = ev.rollouts(params[rs.bases[0]], k_oracle, max(rep0["eval"]["budgets"]),
                             budget_visible=vis, temperature=e.temperature, group_size=1,
                             oracle=True)
   policy = ev.policy_analyses(params, oracle_traj, trajs[rs.bases[0]], k_oracle, k_act, vis)
-  return Measured(ev, trajs, policy, LogLikelihoods(ev, params, trajs, e))
+  loglik = LogLikelihoods(ev, params, trajs, e)
+  sh = None
+  if e.sharpen_temperatures:
+    sh = sharpening.sweep(ev, params, policy.refs, rs.bases, rs.arms, policy.step_quality,
+                          k_act, e.sharpen_temperatures, e.temperature)
+    sharpening.evaluate(sh, ev, params, policy.errs, k_roll, k_act, deciding_arms(rs))
+    for lab, r in sh.runs.items():
+      loglik.add(lab, r["params"], r["traj"], r["temperature"])
+  return Measured(ev, trajs, policy, loglik, sh)
 
 
 def study_data(rs: RunSet, m: Measured) -> claims_lib.StudyData:
@@ -237,17 +269,25 @@ def study_data(rs: RunSet, m: Measured) -> claims_lib.StudyData:
   t_values = list(range(1, t_top + 1)) if mode == "truncation" else list(budgets)
   t_tight, t_gen = claims_lib.tight_generous(t_values, eps0["optimal_turns"])
   a = m.policy
+  sh = m.sharpening
+  pass1 = {lab: pass_at_kt.per_task_pass1(mode, eps["success_turn_by_t"], t_values, t_top)
+           for lab, (_, eps) in rs.evals.items()}
+  step = {lab: o["sampled"]["valid_call"] for lab, o in a.step_quality.items()}
+  rec = {lab: o["sampled"]["valid_call"] for lab, o in a.recovery.items()}
+  traj_task = {lab: np.asarray(t.task_id)[m.loglik.rows[lab]] for lab, t in m.loglik.trajs.items()}
+  sharpened = {}
+  if sh is not None:
+    pass1.update(sharpening.per_task_pass1(sh, mode, t_values, t_top))
+    step.update({lab: r["step"]["valid_call"] for lab, r in sh.runs.items()})
+    rec.update({lab: r["rec"]["valid_call"] for lab, r in sh.runs.items()})
+    sharpened = {arm: sh.arms[arm] for arm in deciding_arms(rs)}
   return claims_lib.StudyData(
       arms=rs.arms, bases=rs.bases, kinds=rs.kinds, turns=rs.turns,
       num_tasks=m.evaluator.num_tasks, t_values=t_values, t_tight=t_tight, t_gen=t_gen,
-      pass1={lab: pass_at_kt.per_task_pass1(mode, eps["success_turn_by_t"], t_values, t_top)
-             for lab, (_, eps) in rs.evals.items()},
-      step={lab: o["sampled"]["valid_call"] for lab, o in a.step_quality.items()},
-      step_task=a.refs.task, step_after_error=a.refs.prev_error_kind != 0,
-      rec={lab: o["sampled"]["valid_call"] for lab, o in a.recovery.items()},
-      rec_task=a.errs.task, rec_kind=a.errs.prev_error_kind,
-      loglik=m.loglik,
-      traj_task={lab: np.asarray(t.task_id)[m.loglik.rows[lab]] for lab, t in m.trajs.items()})
+      pass1=pass1, step=step, step_task=a.refs.task,
+      step_after_error=a.refs.prev_error_kind != 0, rec=rec, rec_task=a.errs.task,
+      rec_kind=a.errs.prev_error_kind, loglik=m.loglik, traj_task=traj_task,
+      sharpened=sharpened)
 
 
 def _rules_record(rules: evidence.Rules) -> dict:
@@ -300,6 +340,8 @@ def comparison_record(rs: RunSet, m: Measured, data: claims_lib.StudyData, decid
       "recovery": {"controlled": {lab: m.policy.report["controlled"][lab] for lab in labels},
                    "on_policy": {lab: m.evaluator.on_policy(t) for lab, t in m.trajs.items()}},
       "likelihood": lik,
+      "sharpening": (None if m.sharpening is None else m.sharpening.record(
+          sharpening.rates_overall(m.evaluator, m.sharpening, m.policy.refs))),
   }
 
 

@@ -227,6 +227,28 @@ class Evaluator:
                                          temps[m], self.e.state_batch)
             for m in modes}
 
+  def act_at(self, params, states, key, temperature: float) -> dict:
+    """Next-action outcomes (`step_quality.next_actions`) at any temperature, with the sampled
+    mode's key (the sampled mode's outcomes at config.eval.temperature, the greedy mode's at 0):
+    the sharpening control's sweep, through the one compiled next-action program."""
+    return step_quality.next_actions(self.main.next_action_fn(), params, states,
+                                     jax.random.fold_in(key, step_quality.MODES.index("sampled")),
+                                     temperature, self.e.state_batch)
+
+  def pass_rollouts(self, params, key, temperature: float):
+    """(T_max trajectories, success turns [len(budgets), tasks, n]) of the Pass@(K,T)
+    evaluation: the T_max run (truncation mode) or one run per budget (rerun mode), the same
+    key for every T."""
+    if self.e.mode == "truncation":
+      runs = [self.rollouts(params, key, self.max_turns, budget_visible=False,
+                            temperature=temperature)]
+    else:
+      runs = [self.rollouts(params, key, t, budget_visible=self.budget_visible,
+                            temperature=temperature) for t in self.budgets]
+    n = self.e.num_samples
+    success = np.stack([np.asarray(r.success_turn).reshape(self.num_tasks, n) for r in runs])
+    return runs[-1], success
+
   def extra_states(self, params, key) -> list:
     """[(env_set, oracle reference states)] of every extra environment (computed once)."""
     def build():
@@ -264,9 +286,11 @@ class Evaluator:
               "state": np.concatenate(after)}
     out = {}
     for m, o in outcomes.items():
-      valid = np.concatenate([o["valid_call"]] + [x[m]["valid_call"] for x in extra_outcomes])
-      match = np.concatenate([o["oracle_match"]] + [x[m]["oracle_match"] for x in extra_outcomes])
-      out[m] = step_quality.quality_rates(valid, match, task, groups, **self._boot())
+      cat = {k: np.concatenate([o[k]] + [x[m][k] for x in extra_outcomes])
+             for k in ("valid_call", "oracle_match", "oracle_logp", "entropy", "scored")}
+      out[m] = step_quality.quality_rates(
+          cat["valid_call"], cat["oracle_match"], task, groups, **self._boot(),
+          prob=step_quality.oracle_prob(cat), entropy=cat["entropy"], scored=cat["scored"])
     return out
 
   def _boot(self) -> dict:

@@ -148,8 +148,10 @@ def quality_md(sq: dict) -> list[str]:
       for g in ("source", "env"):
         groups += [(f"{g}={k}", v) for k, v in q.get(g, {}).items()]
       for name, r in groups:
-        rows.append([policy, mode, name, fmt_rate(r["valid"]), fmt_rate(r["oracle"])])
-  return table(["policy", "mode", "states", "valid-call rate", "oracle-match rate"], rows)
+        rows.append([policy, mode, name, fmt_rate(r["valid"]), fmt_rate(r["oracle"]),
+                     fmt_rate(r.get("oracle_prob")), fmt_rate(r.get("entropy"))])
+  return table(["policy", "mode", "states", "valid-call rate", "oracle-match rate",
+                "expected oracle-match probability", "entropy (nats/token)"], rows)
 
 
 def recovery_md(rec: dict) -> list[str]:
@@ -242,17 +244,54 @@ def _details_md(num: int, det: dict) -> list[str]:
   return out + [""] if plain else out
 
 
+def _first(d: dict | None) -> str:
+  """A decision's first condition with its estimate and interval ("-" without one)."""
+  first = (d["conditions"] or [None])[0] if d else None
+  return f"{first['condition']}: {fmt_interval(first)}" if first else "-"
+
+
 def verdicts_md(claims: dict) -> list[str]:
-  """One row per claim: verdict, deciding arm, and its first condition's estimate."""
+  """One row per claim: verdict, deciding arm, its first condition's estimate, and the same rule
+  against the sharpened base (secondary)."""
   rows = []
   for num, c in claims.items():
     arm = c.get("decided_on")
-    first = (c["per_arm"][arm]["conditions"] or [None])[0] if arm else None
-    rows.append([num, f"**{c['verdict']}**", arm or "-",
-                 f"{first['condition']}: {fmt_interval(first)}" if first else c.get("note", "-"),
+    first = _first(c["per_arm"][arm]) if arm else c.get("note", "-")
+    sh = c.get("sharpened")
+    rows.append([num, f"**{c['verdict']}**", arm or "-", first,
+                 f"{sh['verdict']}: {_first(sh)}" if sh else "-",
                  "; ".join(f"{a}: {d['verdict']}" for a, d in c["per_arm"].items() if a != arm)
                  or "-"])
-  return table(["claim", "verdict", "decided on", "first condition", "other arms"], rows)
+  return table(["claim", "verdict", "decided on", "first condition",
+                "vs a sharpened base (secondary)", "other arms"], rows)
+
+
+def sharpening_md(sh: dict | None, claims: dict) -> list[str]:
+  """The sharpening control: the bases' sweep (entropy, step quality, expected oracle-match
+  probability per temperature), each RL run's match, and each claim against the sharpened
+  base."""
+  if not sh:
+    return []
+  out = ["## Sharpening control: RL vs a sharpened base (secondary)", "", sh["definition"], ""]
+  rows = [[b, t, fmt_rate(r["entropy"]), fmt_rate(r["valid"]), fmt_rate(r["oracle"]),
+           fmt_rate(r.get("oracle_prob"))]
+          for b, per in sh["base_sweep"].items() for t, r in per.items()]
+  out += table(["base", "temperature", "entropy (nats/token)", "valid-call rate",
+                "oracle-match rate", "expected oracle-match probability"], rows)
+  out += table(["RL run", "entropy (nats/token)", "matched base", "temperature",
+                "base entropy there"],
+               [[lab, fmt(m["entropy_rl"]), m["base"], m["temperature"], fmt(m["entropy_base"])]
+                for lab, m in sh["matched"].items()])
+  for num, c in claims.items():
+    d = c.get("sharpened")
+    if not d:
+      continue
+    out += [f"### Claim {num} on `{c['decided_on']}` vs {', '.join(sorted(set(d['against'])))}:"
+            f" {d['verdict']}" + (f" ({d['note']})" if d.get("note") else ""), ""]
+    if d["conditions"]:
+      out += conditions_md(d["conditions"])
+    out += _details_md(int(num), d["details"])
+  return out
 
 
 def comparison_markdown(comp: dict) -> str:
@@ -271,6 +310,7 @@ def comparison_markdown(comp: dict) -> str:
           f"{comp['budgets']['T_gen']}.", ""]
   out += ["## Verdicts", ""] + verdicts_md(comp["claims"])
   out += plan_md(comp.get("plan"))
+  out += sharpening_md(comp.get("sharpening"), comp["claims"])
   if comp.get("credit"):
     out += ["## Turn-level credit against the standard arm", ""]
     for arm, d in comp["credit"].items():

@@ -62,6 +62,9 @@ class Generation:
   stopped: jax.Array   # [B] bool: ended on a stop token (else on max_new_tokens)
   cache: decoder.KVCache  # holds prompt + generated tokens (the last one included)
   next_logits: jax.Array  # [B, V] float32 logits after each row's last token
+  # [B] float32: sum over the generated tokens of the entropy (nats) of the distribution each was
+  # sampled from, softmax(logits / T) (0 when greedy); only from `decode(..., entropy=True)`.
+  entropy: jax.Array | None = None
 
 
 def scaled_logprobs(logits, temperature):
@@ -83,6 +86,14 @@ def categorical(key, logits):
   """jax.random.categorical(key, logits, axis=-1) token for token (the same Gumbel noise, the
   same arg-max) with `argmax_last`."""
   return argmax_last(logits + jax.random.gumbel(key, logits.shape, logits.dtype))
+
+
+def entropy_of(logits, temperature):
+  """Entropy (nats) of softmax(logits / T) over the last axis, 0 when greedy (T == 0: the greedy
+  policy is deterministic). logits [..., V] float32 -> [...]."""
+  logp = scaled_logprobs(logits, temperature)
+  h = -jnp.sum(jnp.where(jnp.isfinite(logp), jnp.exp(logp) * logp, 0.0), axis=-1)
+  return jnp.where(temperature > 0, h, 0.0)
 
 
 def sample_from_logits(key, logits_bv, sc: SamplingConfig):
@@ -111,7 +122,8 @@ def sample_from_logits(key, logits_bv, sc: SamplingConfig):
 
 
 def decode(cfg: ModelConfig, params, cache: decoder.KVCache, next_logits, key, sc: SamplingConfig,
-           max_new, stop_tokens, max_new_tokens: int, pad_id: int = 0, active=None) -> Generation:
+           max_new, stop_tokens, max_new_tokens: int, pad_id: int = 0, active=None,
+           entropy: bool = False) -> Generation:
   """Decodes up to `max_new_tokens` tokens per row from a filled cache.
 
   Args:
@@ -119,6 +131,8 @@ def decode(cfg: ModelConfig, params, cache: decoder.KVCache, next_logits, key, s
     max_new: [B] int32 per-row limit (<= max_new_tokens).
     stop_tokens: [B, S] int32 per-row stop ids, padded with -1.
     active: [B] bool rows to decode (others generate nothing); default all.
+    entropy: also sum, per row, the entropy of the distribution each generated token was drawn
+      from (`entropy_of`; Generation.entropy). Static; off in rollouts, which do not need it.
   """
   params = decoder.for_decode(cfg, params)
   b = next_logits.shape[0]
@@ -127,17 +141,19 @@ def decode(cfg: ModelConfig, params, cache: decoder.KVCache, next_logits, key, s
   done0 = ~active | (max_new <= 0)
   init = (jnp.int32(0), cache, next_logits, jnp.full((b, max_new_tokens), pad_id, jnp.int32),
           jnp.zeros((b, max_new_tokens), jnp.float32), done0, jnp.zeros((b,), jnp.int32),
-          jnp.zeros((b,), bool), key)
+          jnp.zeros((b,), bool), key, jnp.zeros((b,), jnp.float32))
 
   def cond(state):
     i, done = state[0], state[5]
     return (i < max_new_tokens) & ~jnp.all(done)
 
   def body(state):
-    i, cache, logits, toks, lps, done, n, stopped, key = state
+    i, cache, logits, toks, lps, done, n, stopped, key, ent = state
     key, sub = jax.random.split(key)
     tok, lp = sample_from_logits(sub, logits, sc)
     live = ~done
+    if entropy:
+      ent = ent + jnp.where(live, entropy_of(logits, sc.temperature), 0.0)
     toks = toks.at[:, i].set(jnp.where(live, tok, pad_id))
     lps = lps.at[:, i].set(jnp.where(live, lp, 0.0))
     n = n + live
@@ -147,11 +163,11 @@ def decode(cfg: ModelConfig, params, cache: decoder.KVCache, next_logits, key, s
                                       chunk_lens=live.astype(jnp.int32))
     logits = jnp.where(live[:, None], new_logits[:, 0], logits)
     done = done | is_stop | (n >= max_new)
-    return i + 1, cache, logits, toks, lps, done, n, stopped, key
+    return i + 1, cache, logits, toks, lps, done, n, stopped, key, ent
 
-  _, cache, logits, toks, lps, _, n, stopped, _ = jax.lax.while_loop(cond, body, init)
+  _, cache, logits, toks, lps, _, n, stopped, _, ent = jax.lax.while_loop(cond, body, init)
   return Generation(tokens=toks, logprobs=lps, lengths=n, stopped=stopped, cache=cache,
-                    next_logits=logits)
+                    next_logits=logits, entropy=ent if entropy else None)
 
 
 # Tokens per prefill chunk: a long prompt is appended to the cache chunk by chunk, so attention

@@ -13,7 +13,10 @@
   before a turn's action): the prefix is prefilled into a fresh KV cache (`sampler.prefill`), one
   action is decoded (`sampler.decode`, stopping at the codec's end-of-turn id or after
   `max_action_tokens`), and the environment steps the replayed state with it; the step's info
-  says whether the action is a valid call and whether it equals the oracle's action.
+  says whether the action is a valid call and whether it equals the oracle's action. The same
+  program measures the policy's distribution there (docs/STUDY.md, "the sharpening control"):
+  the entropy of each sampled token's distribution, and the log-probability of the oracle's own
+  action (its tokens and <eot>, teacher-forced from the same prefilled cache).
 
 With a host environment (`jaxagent.envs.host.HostEnv`: Python episodes, not arrays) both have
 host twins with the same signatures. The replay's "state" at (b, t) is then the recipe for it,
@@ -86,6 +89,11 @@ class NextAction:
   valid_call: jax.Array    # [N] bool
   oracle_match: jax.Array  # [N] bool
   error_kind: jax.Array    # [N] int32 ErrorKind
+  entropy: jax.Array       # [N] float32 sum over the sampled tokens (<eot> included) of the
+                           # entropy of softmax(logits / T) each was drawn from (0 when greedy)
+  scored: jax.Array        # [N] int32 tokens that sum runs over (the action and its <eot>)
+  oracle_logp: jax.Array   # [N] float32 log p(oracle action + <eot>) at T (greedy: 0 if every
+                           # token is the arg-max, else -inf)
 
 
 def make_next_action_fn(mcfg: ModelConfig, env, max_action_tokens: int):
@@ -107,28 +115,33 @@ def make_next_action_fn(mcfg: ModelConfig, env, max_action_tokens: int):
     raise ValueError(f"max_action_tokens={a} must be in [2, the environment's max_action_len = "
                      f"{a_env}] (it counts the end-of-turn token)")
 
-  def decode(params, prefix, prefix_len, key, sc):
+  def decode(params, prefix, prefix_len, key, sc, oracle: TokenBuffer):
+    """(the action, the policy's distribution at these states measured: the entropy of the
+    sampled tokens, how many were scored, and log p(oracle action + <eot>))."""
     n, p = prefix.shape
     cache = decoder.init_cache(mcfg, n, p + a)
     logits, cache = sampler.prefill(mcfg, params, cache, prefix, prefix_len)
     gen = sampler.decode(mcfg, params, cache, logits, key, sc,
                          max_new=jnp.full((n,), a, jnp.int32),
                          stop_tokens=jnp.full((n, 1), eot, jnp.int32), max_new_tokens=a,
-                         pad_id=pad)
+                         pad_id=pad, entropy=True)
     n_act = gen.lengths - gen.stopped.astype(jnp.int32)
     cols = jnp.arange(a)[None, :]
     toks = jnp.where(cols < n_act[:, None], gen.tokens, pad)
     toks = jnp.pad(toks, ((0, 0), (0, a_env - a)), constant_values=pad)
-    return TokenBuffer(tokens=toks, length=n_act)
+    measured = dict(entropy=gen.entropy, scored=gen.lengths,
+                    oracle_logp=_forced_logp(mcfg, params, cache, logits, oracle, sc, a, eot, pad))
+    return TokenBuffer(tokens=toks, length=n_act), measured
 
   if isinstance(env, HostEnv):
     return _host_next_action_fn(env, jax.jit(decode))
 
   def run(params, prefix, prefix_len, env_state, key, sc):
-    action = decode(params, prefix, prefix_len, key, sc)
+    action, measured = decode(params, prefix, prefix_len, key, sc,
+                              jax.vmap(env.oracle_action)(env_state))
     _, _, info = jax.vmap(env.step)(env_state, action)
     return NextAction(tokens=action.tokens, length=action.length, valid_call=info.valid_call,
-                      oracle_match=info.oracle_match, error_kind=info.error_kind)
+                      oracle_match=info.oracle_match, error_kind=info.error_kind, **measured)
 
   return jax.jit(run)
 
@@ -185,8 +198,31 @@ def _host_next_action_fn(env: HostEnv, decode):
   each state rebuilt from its recipe (`rebuild_host_states`). Returns numpy `NextAction`s."""
 
   def run(params, prefix, prefix_len, env_state, key, sc):
-    action = jax.tree.map(np.asarray, decode(params, prefix, prefix_len, key, sc))
-    _, _, info = env.step(rebuild_host_states(env, env_state), action)
+    state = rebuild_host_states(env, env_state)
+    oracle = env.oracle_action(state)          # before the step: the oracle of this state
+    action, measured = jax.device_get(decode(params, prefix, prefix_len, key, sc, oracle))
+    _, _, info = env.step(state, action)
     return NextAction(tokens=action.tokens, length=action.length, valid_call=info.valid_call,
-                      oracle_match=info.oracle_match, error_kind=info.error_kind)
+                      oracle_match=info.oracle_match, error_kind=info.error_kind, **measured)
   return run
+
+
+def _forced_logp(mcfg: ModelConfig, params, cache, logits, action: TokenBuffer, sc, a: int,
+                 eot: int, pad: int):
+  """log p(action + <eot>) [N] under the policy at sc.temperature, from a cache holding the
+  prefixes and the logits [N, V] of their next token: the action (cut to a - 1 tokens, as the
+  engine forces one) and <eot> are appended to the cache in one chunk. Greedy (T = 0): 0 where
+  every token is the arg-max of its logits, else -inf (the deterministic policy's probability
+  is 1 or 0)."""
+  n = jnp.minimum(action.length, a - 1)
+  toks = action.tokens[:, :a]
+  toks = jnp.pad(toks, ((0, 0), (0, a - toks.shape[1])), constant_values=pad)
+  cols = jnp.arange(a)[None, :]
+  toks = jnp.where(cols < n[:, None], toks, jnp.where(cols == n[:, None], eot, pad))
+  out, _ = decoder.apply(mcfg, params, toks, cache=cache, chunk_lens=n + 1)
+  prev = jnp.concatenate([logits[:, None], out[:, :-1]], axis=1)          # [N, a, V]
+  lp = jnp.take_along_axis(sampler.scaled_logprobs(prev, sc.temperature), toks[..., None],
+                           -1)[..., 0]
+  top = sampler.argmax_last(prev) == toks
+  lp = jnp.where(sc.temperature > 0, lp, jnp.where(top, 0.0, -jnp.inf))
+  return jnp.sum(jnp.where(cols <= n[:, None], lp, 0.0), axis=-1)

@@ -121,7 +121,8 @@ class EvalConfig:
   """config.eval: evaluation of checkpoints (see the comments of configs/default.py's `c.eval`).
 
   Parsed fields: rerun_budgets (sorted, without repeats: every consumer may take the last as
-  T_max) and curve_ks from "2,4,6,8"; extra_envs from
+  T_max) and curve_ks from "2,4,6,8"; sharpen_temperatures from "1,0.7,0.5,0.3,0" (distinct,
+  highest first); extra_envs from
   "name:knob=value,...;name2:..." as ((name, ((knob, value), ...)), ...) with sorted knobs
   (hashable; `knobs(i)` and `env_specs()` give them as dicts).
   """
@@ -146,6 +147,7 @@ class EvalConfig:
   base_workdir: str
   extra_envs: tuple[tuple[str, tuple[tuple[str, Any], ...]], ...]
   curve_ks: tuple[int, ...]
+  sharpen_temperatures: tuple[float, ...]
 
   def __post_init__(self):
     _require(self.mode in EVAL_MODES,
@@ -312,6 +314,18 @@ def _ints(key: str, spec: str) -> tuple[int, ...]:
                       "'1,2,4'") from None
 
 
+def _temperatures(key: str, spec: str) -> tuple[float, ...]:
+  """"1,0.7,0.5,0.3,0" -> (1.0, 0.7, 0.5, 0.3, 0.0): distinct, highest first, each >= 0."""
+  try:
+    out = tuple(sorted({float(x) for x in spec.split(",") if x.strip()}, reverse=True))
+  except ValueError:
+    raise ConfigError(f"config.{key}={spec!r}: give comma-separated temperatures, e.g. "
+                      "'1,0.7,0.5,0.3,0' (0 = greedy), or '' (no sweep)") from None
+  _require(all(t >= 0 and t == t for t in out),
+           f"config.{key}={spec!r}: temperatures must be >= 0 (0 = greedy)")
+  return out
+
+
 def parse_env_specs(spec: str) -> list[tuple[str, dict]]:
   """"name:knob=value,knob=value;name2:..." -> [(name, knobs)]; values are JSON literals where
   they parse (1, 0.2, true), else strings. Empty -> []."""
@@ -414,6 +428,8 @@ def eval_config(config) -> EvalConfig:
                convert={"rerun_budgets": _Convert(str, lambda s, _: tuple(sorted(set(
                    _ints("eval.rerun_budgets", s))))),
                         "curve_ks": _Convert(str, lambda s, _: _ints("eval.curve_ks", s)),
+                        "sharpen_temperatures": _Convert(str, lambda s, _: _temperatures(
+                            "eval.sharpen_temperatures", s)),
                         "extra_envs": _Convert(str, _extra_envs)})
 
 

@@ -240,3 +240,30 @@ def test_credit_arm_against_the_standard_arm(seed):
   assert claims.decide_credit(worse, RULES, num_bootstrap=500, seed=0)["gigpo"]["verdict"] == (
       NOT_HELD)
   assert claims.decide_credit(make(seed=seed), RULES, num_bootstrap=100, seed=0) == {}
+
+
+def test_each_claim_is_also_decided_against_the_sharpened_base():
+  # RL recovers from action errors at 0.5 against the base's 0.3 (claim 5 held); a sharpened base
+  # (the base at a lower temperature) already recovers at 0.5: against it the gain is gone.
+  data = make(rec={"fixed_generous": (0.5, 0.5)}, pass_gain={"fixed_generous": [0, 0, 0.1, 0.2]})
+  rng = np.random.default_rng(7)
+  sharp = "base@T0.5"
+  action = data.rec_kind == ErrorKind.TOOL_FAILURE
+  data.rec[sharp] = rng.random(data.rec_task.size) < np.where(action, 0.5, 0.5)
+  data.step[sharp], data.pass1[sharp] = data.step["base"], data.pass1["base"]
+  data.traj_task[sharp] = data.traj_task["base"]
+  scored = data.loglik      # the sharpened base's likelihoods: the base's (claim 4 unchanged)
+  data.loglik = lambda a, b: scored(*[x.replace(sharp, "base") for x in (a, b)])
+  data.sharpened = {"fixed_generous": [sharp] * 3, "budgetmix": ["base"] * 3}
+  out = claims.decide_claims(data, RULES, num_bootstrap=300, seed=0)
+  assert out[5]["verdict"] == HELD
+  sh = out[5]["sharpened"]
+  assert sh["against"] == [sharp] * 3 and "secondary" in sh["about"]
+  assert sh["verdict"] != HELD
+  assert abs(sh["details"]["d_rec_action"]["est"]) < 0.05
+  assert out[5]["per_arm"]["fixed_generous"]["details"]["d_rec_action"]["est"] > 0.15
+  # Every claim carries it; a sharpened base that is the base itself decides as the verdict did.
+  assert all("sharpened" in out[n] for n in range(1, 6))
+  assert out[3]["sharpened"]["verdict"] == out[3]["verdict"]
+  assert out[1]["sharpened"]["conditions"] == out[1]["per_arm"]["fixed_generous"]["conditions"]
+  assert out[4]["sharpened"]["verdict"] == out[4]["verdict"]

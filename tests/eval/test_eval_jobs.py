@@ -297,7 +297,29 @@ def test_compare_decides_each_claim_on_its_arm(run_dir, ev, latest, tmp_path):
   # The base run's stored episodes score under its own params as during its evaluation.
   base_rep = json.loads((base / "eval" / "sft_4" / "report.json").read_text())
   assert lik["sum"][0][0] == pytest.approx(base_rep["likelihood"]["sum"][0][0], rel=1e-5)
+  # The sharpening control: every base at every sweep temperature, every RL run of the deciding
+  # arms matched to its base at the sweep temperature of nearest entropy, and each claim also
+  # decided against that sharpened base (secondary).
+  sh = saved["sharpening"]
+  sweep = sh["base_sweep"]["base"]
+  h = {t: r["entropy"]["rate"] for t, r in sweep.items()}
+  assert list(h) == ["1", "0.7", "0.5", "0.3", "0"] and h["0"] == 0
+  assert h["1"] > h["0.3"] > 0
+  for lab, m in sh["matched"].items():
+    assert m["entropy_base"] == pytest.approx(h[f"{m['temperature']:g}"])
+    dist = {t: abs(v - m["entropy_rl"]) for t, v in h.items()}
+    assert m["base"] == "base" and dist[f"{m['temperature']:g}"] == min(dist.values())
+  for n in range(1, 6):
+    c = saved["claims"][str(n)]
+    arm = c["decided_on"]
+    assert c["sharpened"]["against"] == sh["arms"][arm]
+    assert c["sharpened"]["verdict"] in ("held", "not held", "inconclusive")
+  for lab in sh["runs"]:
+    assert sh["runs"][lab]["pass_at_kt"]["num_tasks"] == 4
+  q = saved["step_quality"]["fixed_s0"]["sampled"]["overall"]
+  assert 0 <= q["oracle_prob"]["rate"] <= 1 and q["entropy"]["rate"] > 0
   md = (out / "comparison.md").read_text()
+  assert "## Sharpening control: RL vs a sharpened base (secondary)" in md
   assert md.index("## Rules (fixed before the numbers)") < md.index("## Verdicts")
   for num in range(1, 6):
     assert f"### Claim {num}: **" in md

@@ -34,7 +34,8 @@ def test_default_sections_carry_the_config_values():
   assert ev.extra_envs == () and ev.env_specs() == []
   # one field per key of c.eval, each carrying the config's value (specs parsed)
   assert sorted(f.name for f in dataclasses.fields(rc.EvalConfig)) == sorted(c.eval.keys())
-  parsed = {"rerun_budgets", "curve_ks", "extra_envs"}
+  assert ev.sharpen_temperatures == (1.0, 0.7, 0.5, 0.3, 0.0)
+  parsed = {"rerun_budgets", "curve_ks", "extra_envs", "sharpen_temperatures"}
   assert {k: getattr(ev, k) for k in c.eval if k not in parsed} == {
       k: v for k, v in c.eval.items() if k not in parsed}
   # hashable: usable as a cache key of compiled programs
