@@ -168,20 +168,6 @@ def _show_progress(run: sections.RunSection) -> bool:
   return run.progress_bar and distributed.is_primary()
 
 
-# SFT batches are cut to the longest demonstration rounded up to this many tokens.
-SFT_WIDTH_ROUND = 64
-
-
-def sft_width(lengths: np.ndarray, max_len: int) -> int:
-  """The token width of every SFT batch: the longest demonstration of the split rounded up to
-  `SFT_WIDTH_ROUND` (at most `max_len`, the stored width). Positions past a row's length are
-  padding with no loss and no attention from earlier positions, so cutting them changes no
-  loss, and one width for the whole phase keeps one compiled step. `data.demo_max_len` is a
-  capacity: demonstrations of a small map fill 600 of its 768 tokens."""
-  longest = int(np.max(lengths)) if len(lengths) else max_len
-  return min(max_len, -(-longest // SFT_WIDTH_ROUND) * SFT_WIDTH_ROUND)
-
-
 def run_sft(cfg: sections.RunConfig, workdir, policy: Policy, programs: Programs, params,
             fingerprint, frozen: adapters.FrozenBase | None = None) -> Any:
   """The SFT phase (cfg.sft) on the noisy-oracle demonstrations; returns the final params.
@@ -197,7 +183,6 @@ def run_sft(cfg: sections.RunConfig, workdir, policy: Policy, programs: Programs
   state, start = phase.restore(state)
   demos = setup.load_demos(cfg.data, cfg.env, workdir, policy.tokenizer, "train", seed=seed)
   n = len(demos["length"])
-  width = sft_width(demos["length"], demos["tokens"].shape[1])
   perm_key = jax.random.key(seed + 1)
   log = MetricsLog(workdir, "sft", resume_step=start)
   bar = tqdm(total=c.steps, initial=start, desc="sft", disable=not _show_progress(cfg.run))
@@ -207,8 +192,7 @@ def run_sft(cfg: sections.RunConfig, workdir, policy: Policy, programs: Programs
       epoch, pos = divmod(s * c.batch_size, n)
       perm = np.asarray(jax.random.permutation(jax.random.fold_in(perm_key, epoch), n))
       idx = perm[(pos + np.arange(c.batch_size)) % n]
-      batch = {k: jnp.asarray(demos[k][idx, :width] if k != "length" else demos[k][idx])
-               for k in ("tokens", "loss_mask", "length")}
+      batch = {k: jnp.asarray(demos[k][idx]) for k in ("tokens", "loss_mask", "length")}
       t0 = time.perf_counter()
       state, metrics = step_fn(state, batch, *base)
       metrics = jax.device_get(metrics)
