@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import inspect
 import json
 import math
 import typing
@@ -34,6 +35,8 @@ from typing import Any, Callable, Mapping
 import ml_collections
 
 import jaxagent.envs as envs
+from jaxagent.data import demos as demo_data
+from jaxagent.data import tasks as task_data
 from jaxagent.learners.update import LearnerConfig
 from jaxagent.models.config import ATTENTION_ENV, ATTENTIONS
 from jaxagent.models.lora import LoraConfig
@@ -628,6 +631,24 @@ def check_env(config) -> None:
     envs.resolve(name)
   except ValueError as e:
     raise ConfigError(f"config.env.name={name!r} is not an environment: {e}") from e
+  knobs = getattr(config.env, "difficulty", None) or {}
+  clash = sorted(set(dict(knobs)) & set(pipeline_arguments()))
+  _require(not clash,
+           f"config.env.difficulty has the knob(s) {', '.join(map(repr, clash))}, which the "
+           "task splits and demonstrations take as their own arguments (passed beside the "
+           f"environment's knobs: {', '.join(pipeline_arguments())}); rename the knob in "
+           f"{name}'s constructor (e.g. 'db_seed', as envs/sql does, or 'max_moves')")
+
+
+def pipeline_arguments() -> tuple[str, ...]:
+  """The keyword arguments the task-split and demonstration configs take beside an
+  environment's difficulty knobs (`data.tasks.task_set_config`, `data.demos.demo_set_config`):
+  no knob may share their names."""
+  names = set()
+  for fn in (task_data.task_set_config, demo_data.demo_set_config):
+    names |= {p.name for p in inspect.signature(fn).parameters.values()
+              if p.kind == p.KEYWORD_ONLY}
+  return tuple(sorted(names))
 
 
 def validate(config) -> None:

@@ -258,6 +258,17 @@ def test_run_config_holds_every_typed_section():
     rc.run_config(c)
 
 
+def test_a_knob_named_like_a_pipeline_argument_is_refused_before_any_compute():
+  """The task splits and demonstrations take seed=, max_turns=, ... beside the environment's
+  knobs: a knob of the same name would be a bare TypeError deep in the data pipeline."""
+  assert {"seed", "task_seed", "num_train", "max_turns", "max_len", "error_rate"} <= set(
+      rc.pipeline_arguments())
+  c = default.get_config("smoke")
+  c.env.difficulty.update({"seed": 3, "max_turns": 9})
+  with pytest.raises(ConfigError, match=r"knob\(s\) 'max_turns', 'seed'.*rename the knob"):
+    rc.run_config(c)
+
+
 def test_lora_section():
   from jaxagent.models.lora import LoraConfig
   assert rc.model_config(default.get_config()).lora == LoraConfig(
