@@ -272,3 +272,46 @@ def finish_step(state, new_state, obs: TokenBuffer, info: StepInfo):
       optimal_turns=jnp.asarray(info.optimal_turns, jnp.int32),
   )
   return out_state, out_obs, out_info
+
+
+# ---- the noisy oracle's mistakes for move(direction) families (grid, sokoban) --------------------
+
+DIRECTIONS = ("up", "down", "left", "right")
+COMPASS = {"up": "north", "down": "south", "left": "west", "right": "east"}
+
+
+class MoveErrors:
+  """Erroneous actions for a family whose action is `move(d)`, d in `DIRECTIONS`, as a table of
+  texts the noisy oracle draws from (`envs/demos.py`, `error_candidates` / `error_action`).
+
+  Rows 0..3 are `move(d)` itself (a tool failure where d is blocked); then, for each direction,
+  the `typos` (unknown_tool), `malformed` (parse_error) and `bad_args` (bad_arguments) templates,
+  formatted with d and w = its compass word (`COMPASS`), so a mistake is built on the direction
+  the oracle would take.
+  """
+
+  def __init__(self, codec: TextCodec, typos, malformed, bad_args):
+    texts, kinds = [f"move({d})" for d in DIRECTIONS], [ErrorKind.TOOL_FAILURE] * 4
+    dirs = list(range(4))
+    for i, d in enumerate(DIRECTIONS):
+      for templates, kind in ((typos, ErrorKind.UNKNOWN_TOOL), (malformed, ErrorKind.PARSE_ERROR),
+                              (bad_args, ErrorKind.BAD_ARGUMENTS)):
+        for t in templates:
+          texts.append(t.format(d=d, w=COMPASS[d])); kinds.append(kind); dirs.append(i)
+    self.texts = tuple(texts)
+    self.table = codec.fragment_table(self.texts)
+    self.kinds = np.asarray(kinds, np.int32)
+    self.direction = np.asarray(dirs, np.int32)
+    self._pad_id = codec.pad_id
+
+  def candidates(self, blocked: jax.Array, oracle_dir: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(kind [R] int32, allowed [R] bool): `move(d)` for every blocked direction (blocked [4]
+    bool), the textual mistakes of the oracle's direction. Jittable."""
+    allowed = jnp.concatenate([blocked, jnp.asarray(self.direction[4:]) == oracle_dir])
+    return jnp.asarray(self.kinds), allowed
+
+  def action(self, row, max_action_len: int) -> TokenBuffer:
+    """Row `row` of `texts` as tokens [max_action_len]. Jittable."""
+    buf = concat([self.table.get(row)])
+    pad = max_action_len - buf.tokens.shape[0]
+    return buf.replace(tokens=jnp.pad(buf.tokens, (0, pad), constant_values=self._pad_id))

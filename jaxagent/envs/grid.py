@@ -47,7 +47,7 @@ from jaxagent.envs.codec import TextCodec, byte_table, concat
 from jaxagent.envs.messages import MessageTable, concat_rows
 
 UNREACHABLE = 1 << 20
-DIRECTIONS = ("up", "down", "left", "right")
+DIRECTIONS = common.DIRECTIONS
 DELTAS = np.array([[-1, 0], [1, 0], [0, -1], [0, 1]], np.int32)   # [4, 2] (drow, dcol)
 TOOLS = ("move", "look")
 MOVE, LOOK = 0, 1
@@ -85,7 +85,6 @@ STEP_SLOTS = ("dir", "r", "c", "up", "down", "left", "right")
 # Erroneous actions the noisy oracle draws from (see `error_candidates`): per direction d.
 _TYPO = ("mvoe({d})", "go({d})")                        # unknown_tool
 _MALFORMED = ("move {d}", "move({d}")                   # parse_error
-_WRONG_DIR = {"up": "north", "down": "south", "left": "west", "right": "east"}
 _BAD_ARGS = ("move({w})", "move()", "look({d})")        # bad_arguments (w: a compass word)
 
 
@@ -241,20 +240,8 @@ class GridEnv:
     self.messages = MessageTable(c, STEP_MESSAGES, STEP_SLOTS)
     self._hints = c.fragment_table(HINT_TEXTS)
     self._oracle_table = c.fragment_table([f"move({d})" for d in DIRECTIONS])
-    errors, kinds, per_dir = [], [], []
-    for d in DIRECTIONS:
-      for t in _TYPO:
-        errors.append(t.format(d=d)); kinds.append(ErrorKind.UNKNOWN_TOOL); per_dir.append(d)
-      for t in _MALFORMED:
-        errors.append(t.format(d=d)); kinds.append(ErrorKind.PARSE_ERROR); per_dir.append(d)
-      for t in _BAD_ARGS:
-        errors.append(t.format(d=d, w=_WRONG_DIR[d])); kinds.append(ErrorKind.BAD_ARGUMENTS)
-        per_dir.append(d)
-    # Rows 0..3: move(d) itself (a tool failure where d is blocked), then the textual errors.
-    self.error_texts = tuple([f"move({d})" for d in DIRECTIONS] + errors)
-    self._error_table = c.fragment_table(self.error_texts)
-    self._error_kinds = np.asarray([ErrorKind.TOOL_FAILURE] * 4 + kinds, np.int32)
-    self._error_dir = np.asarray(list(range(4)) + [DIRECTIONS.index(d) for d in per_dir], np.int32)
+    self.move_errors = common.MoveErrors(c, _TYPO, _MALFORMED, _BAD_ARGS)
+    self.error_texts = self.move_errors.texts
     spec = jax.eval_shape(self._sample, jax.random.PRNGKey(0))
     state_spec = jax.eval_shape(lambda t: self._initial_state(t, jnp.int32(-1)), spec)
     prompt_cap = jax.eval_shape(lambda st: concat(self._prompt_pieces(st)), state_spec).tokens.shape[0]
@@ -409,7 +396,7 @@ class GridEnv:
 
   def error_action(self, row) -> TokenBuffer:
     """Row `row` of `error_texts` as tokens [max_action_len]. Jittable."""
-    return self._pad(concat([self._error_table.get(row)]), self.max_action_len)
+    return self.move_errors.action(row, self.max_action_len)
 
   def error_candidates(self, state: GridState) -> tuple[jax.Array, jax.Array]:
     """Plausible erroneous actions for the noisy oracle, as rows of `error_texts`:
@@ -420,8 +407,7 @@ class GridEnv:
     blocked = self._neighbour_codes(state, state.pos)
     blocked = (blocked == WALL) | (blocked == 4)
     oracle_dir = self.oracle_direction(state)
-    allowed = jnp.concatenate([blocked, jnp.asarray(self._error_dir[4:]) == oracle_dir])
-    return jnp.asarray(self._error_kinds), allowed
+    return self.move_errors.candidates(blocked, oracle_dir)
 
   # ---- host helpers (docs, tests) ---------------------------------------------------------
 

@@ -96,7 +96,6 @@ STEP_SLOTS = ("dir",)
 # Erroneous actions the noisy oracle draws from (see `error_candidates`): per direction d.
 _TYPO = ("mvoe({d})", "push({d})")                      # unknown_tool
 _MALFORMED = ("move {d}", "move({d}")                   # parse_error
-_WRONG_DIR = {"up": "north", "down": "south", "left": "west", "right": "east"}
 _BAD_ARGS = ("move({w})", "move()", "move({d}, {d})")   # bad_arguments (w: a compass word)
 
 
@@ -174,20 +173,8 @@ class SokobanEnv:
     self._newline = c.fragment("\n")
     self.messages = MessageTable(c, STEP_MESSAGES, STEP_SLOTS)
     self._oracle_table = c.fragment_table([f"move({d})" for d in DIRECTIONS])
-    errors, kinds, per_dir = [], [], []
-    for d in DIRECTIONS:
-      for t in _TYPO:
-        errors.append(t.format(d=d)); kinds.append(ErrorKind.UNKNOWN_TOOL); per_dir.append(d)
-      for t in _MALFORMED:
-        errors.append(t.format(d=d)); kinds.append(ErrorKind.PARSE_ERROR); per_dir.append(d)
-      for t in _BAD_ARGS:
-        errors.append(t.format(d=d, w=_WRONG_DIR[d])); kinds.append(ErrorKind.BAD_ARGUMENTS)
-        per_dir.append(d)
-    # Rows 0..3: move(d) itself (a tool failure where d is blocked), then the textual errors.
-    self.error_texts = tuple([f"move({d})" for d in DIRECTIONS] + errors)
-    self._error_table = c.fragment_table(self.error_texts)
-    self._error_kinds = np.asarray([ErrorKind.TOOL_FAILURE] * 4 + kinds, np.int32)
-    self._error_dir = np.asarray(list(range(4)) + [DIRECTIONS.index(d) for d in per_dir], np.int32)
+    self.move_errors = common.MoveErrors(c, _TYPO, _MALFORMED, _BAD_ARGS)
+    self.error_texts = self.move_errors.texts
     spec = jax.eval_shape(self.sample_task, jax.random.PRNGKey(0))
     state_spec = jax.eval_shape(lambda t: self._initial_state(t, jnp.int32(-1)), spec)
     prompt_cap = jax.eval_shape(
@@ -354,7 +341,7 @@ class SokobanEnv:
 
   def error_action(self, row) -> TokenBuffer:
     """Row `row` of `error_texts` as tokens [max_action_len]. Jittable."""
-    return self._pad(concat([self._error_table.get(row)]), self.max_action_len)
+    return self.move_errors.action(row, self.max_action_len)
 
   def error_candidates(self, state: SokobanState) -> tuple[jax.Array, jax.Array]:
     """Plausible erroneous actions for the noisy oracle, as rows of `error_texts`:
@@ -368,8 +355,7 @@ class SokobanEnv:
     mv = self._moves(state)
     blocked = mv["wall"] | mv["blocked"]
     oracle_dir = self.oracle_direction(state)
-    allowed = jnp.concatenate([blocked, jnp.asarray(self._error_dir[4:]) == oracle_dir])
-    return jnp.asarray(self._error_kinds), allowed
+    return self.move_errors.candidates(blocked, oracle_dir)
 
   # ---- host helpers (docs, tests) ---------------------------------------------------------
 

@@ -43,7 +43,7 @@ import numpy as np
 
 UNSOLVABLE = 1 << 20
 MAX_STATES = 1 << 16
-DIRECTIONS = ("up", "down", "left", "right")
+DIRECTIONS = ("up", "down", "left", "right")   # the order of common.DIRECTIONS (MoveErrors)
 DELTAS = np.array([[-1, 0], [1, 0], [0, -1], [0, 1]], np.int32)   # [4, 2] (drow, dcol)
 # Rooms drawn per level: the first ATTEMPTS - 1 with random walls, the last without walls (always
 # has a solvable state one push or more from solved; see `sample_level`).

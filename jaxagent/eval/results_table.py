@@ -4,8 +4,9 @@ with them.
     python -m launch.results_table            # rewrites README.md's block
     python -m launch.results_table --check    # exits 1 if the block is not what it would write
 
-The rows are listed in `docs/results/table.json` (in order: {"run": the row's name, "dir": a
-study's report folder under docs/results/}). Each row's verdicts come from the folder's
+The rows are listed in `docs/results/table.json` (in order: {"run": the row's name, "family": the
+environment family it ran on, "dir": a study's report folder under docs/results/}): one table
+for every family, so a claim's verdict reads across families (the generality the seed asks for). Each row's verdicts come from the folder's
 `comparison.json` (`jaxagent.eval.compare`'s record: every claim's verdict, and its verdict
 against the sharpened base where the comparison ran the sharpening control). A folder without a
 comparison.json (reports committed before it was) is read from its `comparison.md`'s Verdicts
@@ -22,7 +23,7 @@ import re
 
 START, END = "<!-- results-table:start -->", "<!-- results-table:end -->"
 MANIFEST = "docs/results/table.json"
-HEADER = ["run", "1: gains only at generous T", "2: recovery > step quality",
+HEADER = ["run", "family", "1: gains only at generous T", "2: recovery > step quality",
           "3: BudgetMix robust", "4: RL trajectories likelier", "5: recovery on action errors",
           "source"]
 MD_ONLY = "comparison.md (no comparison.json committed)"
@@ -53,7 +54,11 @@ def verdicts_from_markdown(text: str, where: str) -> dict[int, str]:
 
 
 def row(root: pathlib.Path, entry: dict) -> list[str]:
-  """One table row: the run's name linked to its comparison.md, the five verdicts, the source."""
+  """One table row: the run's name linked to its comparison.md, its family, the five verdicts,
+  the source."""
+  if "family" not in entry:
+    raise ValueError(f"the entry {entry} of {MANIFEST} names no \"family\" (the environment the "
+                     "study ran on, e.g. \"grid\")")
   folder = root / "docs" / "results" / entry["dir"]
   rel = f"docs/results/{entry['dir']}/comparison.md"
   js, md = folder / "comparison.json", folder / "comparison.md"
@@ -64,7 +69,8 @@ def row(root: pathlib.Path, entry: dict) -> list[str]:
   else:
     raise FileNotFoundError(f"{folder} holds neither comparison.json nor comparison.md: fix the "
                             f"entry {entry} in {MANIFEST} or commit the study's report there")
-  return [f"[{entry['run']}]({rel})"] + [verdicts[n] for n in range(1, 6)] + [source]
+  return ([f"[{entry['run']}]({rel})", entry["family"]] + [verdicts[n] for n in range(1, 6)]
+          + [source])
 
 
 def render(root) -> str:

@@ -38,14 +38,15 @@ def test_rows_from_json_first_then_markdown(tmp_path):
   (res / "a" / "comparison.md").write_text("## Verdicts\n\n| 1 | **not held** |\n")
   shutil.copytree(ROOT / "docs/results/study_default/seed0", res / "b")
   (res / "b" / "comparison.json").unlink(missing_ok=True)
-  (res / "table.json").write_text(json.dumps([{"run": "A", "dir": "a"}, {"run": "B", "dir": "b"}]))
+  (res / "table.json").write_text(json.dumps([{"run": "A", "family": "grid", "dir": "a"},
+                                                {"run": "B", "family": "sql", "dir": "b"}]))
   lines = results_table.render(tmp_path).splitlines()
   assert lines[0] == results_table.START and lines[-1] == results_table.END
-  assert lines[3] == ("| [A](docs/results/a/comparison.md) | held (vs a sharpened base: "
+  assert lines[3] == ("| [A](docs/results/a/comparison.md) | grid | held (vs a sharpened base: "
                       "inconclusive) | not held (vs a sharpened base: not held) | inconclusive (vs "
                       "a sharpened base: inconclusive) | held (vs a sharpened base: held) | held "
                       "(vs a sharpened base: not held) | comparison.json |")
-  assert lines[4] == ("| [B](docs/results/b/comparison.md) | not held | not held | inconclusive | "
+  assert lines[4] == ("| [B](docs/results/b/comparison.md) | sql | not held | not held | inconclusive | "
                       f"not held | inconclusive | {results_table.MD_ONLY} |")
   readme = f"# x\n\nbefore\n{results_table.START}\nold\n{results_table.END}\nafter\n"
   out = results_table.replace_block(readme, "\n".join(lines))
@@ -55,9 +56,13 @@ def test_rows_from_json_first_then_markdown(tmp_path):
 def test_what_cannot_be_read_is_refused(tmp_path):
   res = tmp_path / "docs" / "results"
   (res / "gone").mkdir(parents=True)
-  (res / "table.json").write_text(json.dumps([{"run": "G", "dir": "gone"}]))
+  (res / "table.json").write_text(json.dumps([{"run": "G", "family": "grid", "dir": "gone"}]))
   with pytest.raises(FileNotFoundError, match="table.json"):
     results_table.render(tmp_path)
+  (res / "table.json").write_text(json.dumps([{"run": "G", "dir": "gone"}]))
+  with pytest.raises(ValueError, match="names no \"family\""):
+    results_table.render(tmp_path)
+  (res / "table.json").write_text(json.dumps([{"run": "G", "family": "grid", "dir": "gone"}]))
   (res / "gone" / "comparison.md").write_text("## Verdicts\n\n| 1 | **held** |\n")
   with pytest.raises(ValueError, match=r"lists claims \[1\], not 1-5"):
     results_table.render(tmp_path)
