@@ -18,6 +18,7 @@ import importlib
 
 from jaxagent.envs.base import ErrorKind, StepInfo, TokenBuffer  # noqa: F401
 from jaxagent.envs.codec import TextCodec
+from jaxagent.envs.host import HostEnv
 
 # name -> "module:Class". The class is built as Class(codec, **difficulty). One line per family;
 # modules are imported on first use.
@@ -36,6 +37,12 @@ _REGISTRY: dict[str, str] = {
 def names() -> list[str]:
   """The registered environment names, sorted."""
   return sorted(_REGISTRY)
+
+
+def jax_names() -> list[str]:
+  """The registered JAX-native environments, sorted: those whose `step` is a pure function that
+  `jit(vmap(env.step))` compiles (the others are host environments, `envs/host.py`)."""
+  return [n for n in names() if not issubclass(resolve(n), HostEnv)]
 
 
 def codec_for(tokenizer) -> TextCodec:

@@ -132,6 +132,8 @@ def test_registry(builtin_tokenizer):
   import jaxagent.envs as envs
   assert {"lookup", "arithmetic"} <= set(envs.names())
   assert envs.names() == sorted(envs.names())
+  assert {"grid", "sokoban"} <= set(envs.jax_names()) and not {"sql", "host_lookup"} & set(
+      envs.jax_names())
   with pytest.raises(ValueError, match="unknown environment"):
     envs.make("nope", builtin_tokenizer)
   env = envs.make("lookup", builtin_tokenizer, hops=1)

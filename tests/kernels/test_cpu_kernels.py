@@ -396,7 +396,7 @@ def test_the_auto_measurement_times_both_paths():
   assert verdict["kernel"] == (verdict["kernel_ms"] < verdict["xla_ms"])
 
 
-@pytest.mark.parametrize("name", envs.names())
+@pytest.mark.parametrize("name", envs.jax_names())
 def test_rollout_with_the_kernel_equals_xla(name, micro, monkeypatch):
   env = envs.make(name, micro.tokenizer)
   out = {}

@@ -41,7 +41,7 @@ def _episodes(env, seed):
   return jax.tree.map(lambda *xs: jnp.stack(xs, axis=1), *out)              # [B, T]
 
 
-@pytest.mark.parametrize("name", envs.names())
+@pytest.mark.parametrize("name", envs.jax_names())
 def test_fingerprints_separate_exactly_the_identical_states(name, builtin_tokenizer):
   env = envs.make(name, builtin_tokenizer)
   states = _episodes(env, seed=len(name))
