@@ -5,6 +5,10 @@
                                [--turns=8] [--nobig] [--nosmollm2] [--nopeers] [--noscaling]
                                [--out=workdirs/benchmark]
 
+    python -m launch.benchmark --preset=accelerator [--accel_models=qwen2-0.5b,...] [--out=DIR]
+
+The accelerator preset (one GPU, <= 8 minutes; docs/benchmark/accelerator.md) runs only the
+accelerator section (`jaxagent.bench.accelerator`); the flags above but --out are then ignored.
 Writes benchmark.json, benchmark.md (the tables) and scaling.png to --out. The measurements live
 in `jaxagent.bench` (each section and what it is measured against: its modules' docstrings); this
 launcher only parses flags. The RL update measured is the default config's (configs/default.py).
@@ -12,10 +16,14 @@ launcher only parses flags. The RL update measured is the default config's (conf
 
 from __future__ import annotations
 
+import os
+
 from absl import app, flags
 
 from configs.default import get_config
 from jaxagent.bench import Options, markdown, run_benchmark, write
+from jaxagent.bench.accelerator import SHAPES
+from jaxagent.bench.run import PRESETS, preset
 from jaxagent.bench.models import BIG
 from jaxagent.learners.update import LearnerConfig
 
@@ -41,6 +49,13 @@ _PEERS = flags.DEFINE_bool(
     "peers", None, "Also run the shared peers' workload in jaxagent and in the `transformers` "
     "generate loop on the same weights (default: when torch is installed).")
 _OUT = flags.DEFINE_string("out", "workdirs/benchmark", "Output directory.")
+_PRESET = flags.DEFINE_enum("preset", "default", list(PRESETS),
+                            "accelerator: random models of real shapes in bf16 on one GPU or TPU "
+                            "against its limits and the transformers loop (the other flags but "
+                            "--out and --accel_models are ignored).")
+_ACCEL_MODELS = flags.DEFINE_list("accel_models", [],
+                                  f"The accelerator preset's models, smallest first, from "
+                                  f"{', '.join(SHAPES)} (default: the preset's).")
 
 
 def main(argv):
@@ -48,7 +63,13 @@ def main(argv):
   config = get_config("default")
   learner = LearnerConfig.from_config({**config.rl.learner.to_dict(),
                                        "temperature": float(config.rl.temperature)})
-  options = Options(
+  if _PRESET.value != "default":
+    # JAX takes 75% of a GPU's memory by default; leave room for the transformers model.
+    os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.6")
+    extra = {"accelerator": tuple(_ACCEL_MODELS.value)} if _ACCEL_MODELS.value else {}
+    options = preset(_PRESET.value, learner, out=_OUT.value, **extra)
+  else:
+    options = Options(
       learner=learner, model=_MODEL.value, env=_ENV.value, tasks=_TASKS.value,
       group=_GROUP.value, turns=_TURNS.value, repeats=_REPEATS.value, big=_BIG.value,
       big_size=_BIG_SIZE.value, big_dtype=_BIG_DTYPE.value, big_episodes=_BIG_EPISODES.value,

@@ -1,0 +1,98 @@
+"""The accelerator preset (`python -m launch.benchmark --preset=accelerator`) end to end at its
+smallest on CPU: the preset's code path with the tiny shape in bf16, batches 2 and 4, one turn,
+the `transformers` loop on torch's CPU build; the returned dict and the markdown hold the same
+numbers. The device table and the preset's own sizes are checked apart (no device was lent:
+the GPU run itself is docs/benchmark/accelerator.md's to record)."""
+
+import json
+
+import jax
+import pytest
+
+from configs.default import get_config
+from jaxagent.bench import accelerator, markdown, run_benchmark, write
+from jaxagent.bench.report import gib
+from jaxagent.bench.run import PRESETS, preset
+from jaxagent.learners.update import LearnerConfig
+
+SMALLEST = dict(accelerator=("tiny",), accel_batches=(2, 4), accel_detail_batch=2, accel_turns=1,
+                accel_hf=True, matmul_size=128, bandwidth_mib=4, limit_repeats=1)
+
+
+def _learner():
+  config = get_config("default")
+  return LearnerConfig.from_config({**config.rl.learner.to_dict(),
+                                    "temperature": float(config.rl.temperature)})
+
+
+@pytest.fixture(scope="module")
+def smallest(tmp_path_factory):
+  out = tmp_path_factory.mktemp("accelerator")
+  res = run_benchmark(preset("accelerator", _learner(), out=str(out), **SMALLEST))
+  return res, out, write(res, out)
+
+
+def test_the_preset_measures_the_three_shapes_alone():
+  o = preset("accelerator", _learner())
+  assert o.accelerator == ("smollm2-135m", "qwen2-0.5b", "qwen2-1.5b")
+  assert o.accel_batches == (8, 64, 256) and o.accel_detail_batch == 64
+  assert o.accel_dtype == "bfloat16"
+  assert not (o.core or o.big or o.smollm2 or o.peers or o.scaling)
+  assert set(PRESETS) == {"default", "accelerator"}
+  with pytest.raises(ValueError, match="pick one of default, accelerator"):
+    preset("gpu", _learner())
+
+
+def test_device_table_and_its_fallback():
+  h100 = accelerator.device_limits("NVIDIA H100 80GB HBM3")
+  assert (h100["bandwidth"], h100["peak_bf16_flops"]) == (3.35e12, 989e12)
+  assert h100["bandwidth_source"] == h100["peak_source"] == "table"
+  assert accelerator.device_limits("NVIDIA H100 PCIe")["bandwidth"] == 2.0e12
+  assert accelerator.device_limits("NVIDIA H200")["bandwidth"] == 4.8e12
+  assert accelerator.device_limits("NVIDIA L40S")["bandwidth"] == 0.864e12
+  assert accelerator.device_limits("NVIDIA A100-SXM4-80GB")["bandwidth"] == 2.039e12
+  cpu = accelerator.device_limits("cpu", matmul_size=64, bandwidth_mib=1, repeats=1)
+  assert cpu["bandwidth_source"] == cpu["peak_source"] == "measured"
+  assert cpu["bandwidth"] > 0 and cpu["peak_bf16_flops"] > 0
+
+
+def test_the_section_ran_every_batch_and_the_transformers_loop(smallest):
+  res, out, _ = smallest
+  assert "rollout" not in res and "big" not in res and "peers" not in res
+  ac = res["accelerator"]
+  assert ac["limits"]["device"] == jax.devices()[0].device_kind
+  assert ac["versions"]["jax"] == jax.__version__ and ac["versions"]["torch"]
+  (m,) = ac["models"]
+  assert m["shape"] == "tiny" and m["dtype"] == "bfloat16"
+  assert [r["episodes"] for r in m["batches"]] == [2, 4]
+  assert all(r["turns"] == 1 and r["generated_tokens"] > 0 for r in m["batches"])
+  assert m["decode"]["tokens"] == m["rollout"]["generated_tokens"]
+  assert 0 < m["update"]["mfu"] and 0 < m["decode"]["fraction_of_bound"]
+  assert m["update"]["mfu"] == pytest.approx(
+      m["update"]["model_flops_per_s"] / ac["limits"]["peak_bf16_flops"])
+  assert m["hf"]["device"] == "cpu" and m["hf"]["generated_tokens"] > 0
+  assert m["hf_ratio"] == pytest.approx(m["hf"]["seconds"] / m["rollout"]["seconds"])
+  assert m["peak_bytes"] is None                  # CPU: no memory stats
+  assert m["planned_bytes"] > 0
+  assert (out / "hf_tiny" / "config.json").is_file()
+
+
+def test_markdown_holds_the_section_with_its_numbers(smallest):
+  res, out, paths = smallest
+  assert sorted(paths) == sorted(str(out / f) for f in ("benchmark.md", "benchmark.json"))
+  assert json.loads((out / "benchmark.json").read_text()) == json.loads(json.dumps(res))
+  md = markdown(res)
+  assert (out / "benchmark.md").read_text().startswith(md)
+  ac = res["accelerator"]
+  lim = ac["limits"]
+  assert (f"HBM bandwidth {lim['bandwidth'] / 1e12:.3f} TB/s (measured), dense bf16 peak "
+          f"{lim['peak_bf16_flops'] / 1e12:.1f} TFLOP/s (measured)") in md
+  (m,) = ac["models"]
+  for r in m["batches"]:
+    assert (f"| tiny | {m['params']:,} | {r['episodes']} | {r['seconds']:.2f} | "
+            f"{r['episodes_per_s']:,.1f} | {r['generated_tokens_per_s']:,.0f} |") in md
+  d, u, hf = m["decode"], m["update"], m["hf"]
+  assert (f"| tiny | {d['tokens_per_s']:,.0f} ({d['bound_tokens_per_s']:,.0f}: "
+          f"{100 * d['fraction_of_bound']:.1f}%) | {u['tokens_per_s']:,.0f}, "
+          f"{100 * u['mfu']:.2f}% | {hf['episodes_per_s']:,.2f} (cpu) | {m['hf_ratio']:.2f}x | "
+          f"n/a / {gib(m['planned_bytes'])} |") in md
