@@ -126,6 +126,17 @@ def planned_bytes(policy, env, learner: LearnerConfig, batches, detail_batch: in
   return max(rollout.params + rollout.rollout_peak, plan(detail_batch, "adamw").total)
 
 
+def torch_device() -> str | None:
+  """The torch device on the same kind of device as jax's default backend ("cpu" on CPU, "cuda"
+  on a GPU), or None where torch has none (a CPU-only torch beside a GPU, a TPU): the
+  transformers row must not run on another device than the jax rows."""
+  import torch   # noqa: PLC0415 (optional: the transformers row)
+  backend = jax.default_backend()
+  if backend == "cpu":
+    return "cpu"
+  return "cuda" if backend == "gpu" and torch.cuda.is_available() else None
+
+
 def model_rows(base, env, host, learner: LearnerConfig, shape: str, dtype: str, batches,
                detail_batch: int, turns: int, hf: bool, workdir, limits: dict,
                repeats: int = 1) -> dict:
@@ -143,9 +154,10 @@ def model_rows(base, env, host, learner: LearnerConfig, shape: str, dtype: str, 
   rows.append({"episodes": sec["episodes"], "turns": turns, **sec["rollout"]})
   sec["batches"] = sorted(({k: v for k, v in r.items() if k not in ("axis", "tokens_per_turn")}
                            for r in rows), key=lambda r: r["episodes"])
-  if hf:
-    import torch   # noqa: PLC0415 (optional: the transformers row)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+  device = hf and torch_device()
+  if hf and not device:
+    sec["hf_skipped"] = f"torch has no device for jax's {jax.default_backend()}"
+  if device:
     model = load_hf(policy, pathlib.Path(workdir) / f"hf_{shape}", dtype, device)
     tasks = jax.vmap(env.sample_task)(jax.random.split(jax.random.key(0),
                                                        max(1, detail_batch // group)))

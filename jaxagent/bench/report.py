@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from jaxagent.eval.plots import plt, save
 from jaxagent.planning.flops import bandwidth_bound, utilisation
+from jaxagent.planning.memory import format_bytes
 
 
 def with_limits(res: dict, peak: float, bandwidth: float) -> None:
@@ -221,9 +222,9 @@ def scaling_lines(res: dict) -> list[str]:
   return lines
 
 
-def gib(n) -> str:
-  """Bytes in GiB with 2 decimals, or "n/a" for None (a backend that reports no memory)."""
-  return "n/a" if n is None else f"{n / 2 ** 30:,.2f} GiB"
+def nbytes(n) -> str:
+  """Bytes in the planner's units, or "n/a" for None (a backend that reports no memory)."""
+  return "n/a" if n is None else format_bytes(n)
 
 
 def accelerator_lines(res: dict) -> list[str]:
@@ -253,12 +254,13 @@ def accelerator_lines(res: dict) -> list[str]:
             "|---|---|---|---|---|---|"]
   for m in ac["models"]:
     d, u, hf = m["decode"], m["update"], m.get("hf")
-    hf_cell = f"{fmt(hf['episodes_per_s'], 2)} ({hf['device']})" if hf else "not run"
+    hf_cell = (f"{fmt(hf['episodes_per_s'], 2)} ({hf['device']})" if hf else
+               f"not run ({m.get('hf_skipped', 'off')})")
     ratio = f"{m['hf_ratio']:.2f}x" if hf else "n/a"
     lines.append(f"| {m['shape']} | {fmt(d['tokens_per_s'], 0)} "
                  f"({fmt(d['bound_tokens_per_s'], 0)}: {100 * d['fraction_of_bound']:.1f}%) | "
                  f"{fmt(u['tokens_per_s'], 0)}, {100 * u['mfu']:.2f}% | {hf_cell} | {ratio} | "
-                 f"{gib(m['peak_bytes'])} / {gib(m['planned_bytes'])} |")
+                 f"{nbytes(m['peak_bytes'])} / {nbytes(m['planned_bytes'])} |")
   return lines
 
 

@@ -11,7 +11,7 @@ import pytest
 
 from configs.default import get_config
 from jaxagent.bench import accelerator, markdown, run_benchmark, write
-from jaxagent.bench.report import gib
+from jaxagent.bench.report import nbytes
 from jaxagent.bench.run import PRESETS, preset
 from jaxagent.learners.update import LearnerConfig
 
@@ -56,6 +56,20 @@ def test_device_table_and_its_fallback():
   assert cpu["bandwidth"] > 0 and cpu["peak_bf16_flops"] > 0
 
 
+def test_the_transformers_row_runs_only_on_the_jax_rows_kind_of_device(monkeypatch):
+  assert accelerator.torch_device() == "cpu"
+  monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
+  assert accelerator.torch_device() is None          # torch has no TPU: the row says not run
+
+
+def test_the_launcher_offers_the_presets():
+  from absl import flags            # noqa: PLC0415
+  from launch import benchmark as launcher   # noqa: PLC0415,F401 (defines the flags)
+  assert flags.FLAGS["preset"].default == "default"
+  assert sorted(flags.FLAGS["preset"].parser.enum_values) == sorted(PRESETS)
+  assert flags.FLAGS["accel_models"].default == []
+
+
 def test_the_section_ran_every_batch_and_the_transformers_loop(smallest):
   res, out, _ = smallest
   assert "rollout" not in res and "big" not in res and "peers" not in res
@@ -95,4 +109,4 @@ def test_markdown_holds_the_section_with_its_numbers(smallest):
   assert (f"| tiny | {d['tokens_per_s']:,.0f} ({d['bound_tokens_per_s']:,.0f}: "
           f"{100 * d['fraction_of_bound']:.1f}%) | {u['tokens_per_s']:,.0f}, "
           f"{100 * u['mfu']:.2f}% | {hf['episodes_per_s']:,.2f} (cpu) | {m['hf_ratio']:.2f}x | "
-          f"n/a / {gib(m['planned_bytes'])} |") in md
+          f"n/a / {nbytes(m['planned_bytes'])} |") in md
