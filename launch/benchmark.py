@@ -23,8 +23,8 @@ from absl import app, flags
 from configs.default import get_config
 from jaxagent.bench import Options, markdown, run_benchmark, write
 from jaxagent.bench.accelerator import SHAPES
-from jaxagent.bench.run import PRESETS, preset
 from jaxagent.bench.models import BIG
+from jaxagent.bench.run import PRESETS, preset
 from jaxagent.learners.update import LearnerConfig
 
 _MODEL = flags.DEFINE_string("model", "builtin:micro", "builtin:NAME or a local HF directory.")
@@ -58,11 +58,17 @@ _ACCEL_MODELS = flags.DEFINE_list("accel_models", [],
                                   f"{', '.join(SHAPES)} (default: the preset's).")
 
 
+def default_learner() -> LearnerConfig:
+  """The RL update's settings the benchmark measures: the default config's learner at its
+  rollout temperature."""
+  config = get_config("default")
+  return LearnerConfig.from_config({**config.rl.learner.to_dict(),
+                                    "temperature": float(config.rl.temperature)})
+
+
 def main(argv):
   del argv
-  config = get_config("default")
-  learner = LearnerConfig.from_config({**config.rl.learner.to_dict(),
-                                       "temperature": float(config.rl.temperature)})
+  learner = default_learner()
   if _PRESET.value != "default":
     # JAX takes 75% of a GPU's memory by default; leave room for the transformers model.
     os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.6")

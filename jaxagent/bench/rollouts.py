@@ -132,8 +132,9 @@ def scaling(policy, env, repeats: int, base_batch: int, base_turns: int,
             batches=(16, 64, 256), turns=(2, 4, 8), tokens=(8, 16, None),
             batch_turns: int = 4) -> list[dict]:
   """Jitted-rollout throughput as one axis grows at a time: the batch (`batches` episodes of
-  `batch_turns` turns), the turns per episode (`turns`, at `base_batch` episodes) and the tokens per turn
-  (`tokens`, None = the environment's whole action length, at `base_batch` x `base_turns`).
+  `batch_turns` turns), the turns per episode (`turns`, at `base_batch` episodes) and the tokens
+  per turn (`tokens`, None = the environment's whole action length, at `base_batch` x
+  `base_turns`).
   Episodes come in groups of 8 (fewer where a batch is smaller). One row per point."""
   a_max = env.max_action_len
   points = ([("batch", b, batch_turns, a_max) for b in batches]

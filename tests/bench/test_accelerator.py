@@ -9,38 +9,31 @@ import json
 import jax
 import pytest
 
-from configs.default import get_config
 from jaxagent.bench import accelerator, markdown, run_benchmark, write
 from jaxagent.bench.report import nbytes
 from jaxagent.bench.run import PRESETS, preset
-from jaxagent.learners.update import LearnerConfig
+from launch import benchmark as launcher
 
 SMALLEST = dict(accelerator=("tiny",), accel_batches=(2, 4), accel_detail_batch=2, accel_turns=1,
                 accel_hf=True, matmul_size=128, bandwidth_mib=4, limit_repeats=1)
 
 
-def _learner():
-  config = get_config("default")
-  return LearnerConfig.from_config({**config.rl.learner.to_dict(),
-                                    "temperature": float(config.rl.temperature)})
-
-
 @pytest.fixture(scope="module")
 def smallest(tmp_path_factory):
   out = tmp_path_factory.mktemp("accelerator")
-  res = run_benchmark(preset("accelerator", _learner(), out=str(out), **SMALLEST))
+  res = run_benchmark(preset("accelerator", launcher.default_learner(), out=str(out), **SMALLEST))
   return res, out, write(res, out)
 
 
 def test_the_preset_measures_the_three_shapes_alone():
-  o = preset("accelerator", _learner())
+  o = preset("accelerator", launcher.default_learner())
   assert o.accelerator == ("smollm2-135m", "qwen2-0.5b", "qwen2-1.5b")
   assert o.accel_batches == (8, 64, 256) and o.accel_detail_batch == 64
   assert o.accel_dtype == "bfloat16"
   assert not (o.core or o.big or o.smollm2 or o.peers or o.scaling)
   assert set(PRESETS) == {"default", "accelerator"}
   with pytest.raises(ValueError, match="pick one of default, accelerator"):
-    preset("gpu", _learner())
+    preset("gpu", launcher.default_learner())
 
 
 def test_device_table_and_its_fallback():
@@ -63,8 +56,7 @@ def test_the_transformers_row_runs_only_on_the_jax_rows_kind_of_device(monkeypat
 
 
 def test_the_launcher_offers_the_presets():
-  from absl import flags            # noqa: PLC0415
-  from launch import benchmark as launcher   # noqa: PLC0415,F401 (defines the flags)
+  from absl import flags            # noqa: PLC0415 (the launcher's import defined its flags)
   assert flags.FLAGS["preset"].default == "default"
   assert sorted(flags.FLAGS["preset"].parser.enum_values) == sorted(PRESETS)
   assert flags.FLAGS["accel_models"].default == []
