@@ -16,8 +16,6 @@ launcher only parses flags. The RL update measured is the default config's (conf
 
 from __future__ import annotations
 
-import os
-
 from absl import app, flags
 
 from configs.default import get_config
@@ -70,8 +68,6 @@ def main(argv):
   del argv
   learner = default_learner()
   if _PRESET.value != "default":
-    # JAX takes 75% of a GPU's memory by default; leave room for the transformers model.
-    os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.6")
     extra = {"accelerator": tuple(_ACCEL_MODELS.value)} if _ACCEL_MODELS.value else {}
     options = preset(_PRESET.value, learner, out=_OUT.value, **extra)
   else:

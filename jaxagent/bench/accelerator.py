@@ -108,7 +108,7 @@ def peak_bytes_in_use(device=None) -> int | None:
   return int(peak) if peak is not None else None
 
 
-def planned_bytes(policy, env, learner: LearnerConfig, batches, detail_batch: int,
+def planned_bytes(cfg, env, learner: LearnerConfig, batches, detail_batch: int,
                   turns: int) -> int:
   """The planner's bytes for what `model_rows` runs on one device: the parameters and the
   rollout's peak at the largest batch, or the whole RL step (rollout, update with its optimizer
@@ -119,7 +119,7 @@ def planned_bytes(policy, env, learner: LearnerConfig, batches, detail_batch: in
 
   def plan(g, optimizer):
     mb = learner.minibatches if g % learner.minibatches == 0 else 1
-    return memory.plan(policy.config, mesh, global_batch=g, seq_len=seq,
+    return memory.plan(cfg, mesh, global_batch=g, seq_len=seq,
                        prefill_len=int(env.max_obs_len), optimizer=optimizer, minibatches=mb,
                        reference_policy=ref, logprob_chunk=learner.logprob_chunk)
   rollout = plan(max(batches), "none")
@@ -141,11 +141,19 @@ def model_rows(base, env, host, learner: LearnerConfig, shape: str, dtype: str, 
                detail_batch: int, turns: int, hf: bool, workdir, limits: dict,
                repeats: int = 1) -> dict:
   """One model of SHAPES[shape] in `dtype`: its rollout at each of `batches`, its decode, update
-  and (hf) `transformers` loop at `detail_batch`, and its memory (see the module docstring)."""
+  and (hf) `transformers` loop at `detail_batch`, and its memory (see the module docstring).
+  A model the planner says the device cannot hold (`limits["device_bytes"]`) is skipped, so an
+  out-of-memory error does not lose the other models' rows: {"shape", "skipped", ...}."""
   t0 = time.perf_counter()
   if shape not in SHAPES:
     raise ValueError(f"accelerator model {shape!r}: pick from {', '.join(SHAPES)}")
   policy = random_policy(base, dtype=dtype, **SHAPES[shape])
+  planned = planned_bytes(policy.config, env, learner, batches, detail_batch, turns)
+  device_bytes = limits.get("device_bytes")
+  if device_bytes is not None and planned > device_bytes:
+    return {"shape": shape, "params": policy.config.num_params(), "planned_bytes": planned,
+            "skipped": f"the planner's {memory.format_bytes(planned)} exceed the device's "
+                       f"{memory.format_bytes(device_bytes)}"}
   group = min(8, detail_batch)
   sec = {"shape": shape, **model_section(policy, env, learner, detail_batch, group, turns)}
   report.with_limits(sec, limits["peak_bf16_flops"], limits["bandwidth"])
@@ -167,7 +175,7 @@ def model_rows(base, env, host, learner: LearnerConfig, shape: str, dtype: str, 
     sec["hf_ratio"] = sec["hf"]["seconds"] / sec["rollout"]["seconds"]
     del model
   sec["peak_bytes"] = peak_bytes_in_use()
-  sec["planned_bytes"] = planned_bytes(policy, env, learner, batches, detail_batch, turns)
+  sec["planned_bytes"] = planned
   sec["seconds"] = time.perf_counter() - t0
   logging.info("accelerator %s: %s", shape, sec)
   return sec
@@ -189,7 +197,8 @@ def accelerator_section(base, env, host, learner: LearnerConfig, shapes, dtype: 
   """Every model of `shapes` (give them smallest first: the memory is a high-water mark) on the
   default device, with the device, its limits, the date and the versions. `env` is `lookup` and
   `host` its host twin (the transformers loop's environment)."""
-  limits = device_limits(jax.devices()[0].device_kind, *limit_args)
+  limits = {**device_limits(jax.devices()[0].device_kind, *limit_args),
+            "device_bytes": memory.device_memory_bytes()}
   models = [model_rows(base, env, host, learner, s, dtype, batches, detail_batch, turns, hf,
                        workdir, limits) for s in shapes]
   return {"date": datetime.date.today().isoformat(), "backend": jax.default_backend(),

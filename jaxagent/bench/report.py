@@ -243,16 +243,20 @@ def accelerator_lines(res: dict) -> list[str]:
            f"tokenizer's vocabulary, `lookup`, {ac['turns']} turns per episode.", "",
            "| model | parameters | episodes | seconds | episodes/s | generated tokens/s |",
            "|---|---|---|---|---|---|"]
+  ran = [m for m in ac["models"] if "skipped" not in m]
   for m in ac["models"]:
-    for r in m["batches"]:
+    if "skipped" in m:
+      lines.append(f"| {m['shape']} | {m['params']:,} | skipped: {m['skipped']} | | | |")
+    for r in m.get("batches", ()):
       lines.append(f"| {m['shape']} | {m['params']:,} | {r['episodes']} | {r['seconds']:.2f} | "
                    f"{fmt(r['episodes_per_s'])} | {fmt(r['generated_tokens_per_s'], 0)} |")
   lines += ["", f"At {ac['detail_batch']} episodes (peak memory: the process's high-water mark "
-            "after the model's rows; planned: the planner's bytes for them):", "",
+            "after the model's rows; planned: the planner's bytes for them; the device holds "
+            f"{nbytes(lim.get('device_bytes'))}):", "",
             "| model | decode tokens/s (bound: share) | update tokens/s, MFU | transformers "
             "loop episodes/s (device) | jax rollout vs transformers | peak memory / planned |",
             "|---|---|---|---|---|---|"]
-  for m in ac["models"]:
+  for m in ran:
     d, u, hf = m["decode"], m["update"], m.get("hf")
     hf_cell = (f"{fmt(hf['episodes_per_s'], 2)} ({hf['device']})" if hf else
                f"not run ({m.get('hf_skipped', 'off')})")

@@ -4,14 +4,17 @@ the `transformers` loop on torch's CPU build; the returned dict and the markdown
 numbers. The device table and the preset's own sizes are checked apart (no device was lent:
 the GPU run itself is docs/benchmark/accelerator.md's to record)."""
 
+import dataclasses
 import json
 
 import jax
 import pytest
 
-from jaxagent.bench import accelerator, markdown, run_benchmark, write
+import jaxagent.envs as envs
+from jaxagent.bench import accelerator, markdown, report, run_benchmark, write
 from jaxagent.bench.report import nbytes
 from jaxagent.bench.run import PRESETS, preset
+from jaxagent.models import from_pretrained
 from launch import benchmark as launcher
 
 SMALLEST = dict(accelerator=("tiny",), accel_batches=(2, 4), accel_detail_batch=2, accel_turns=1,
@@ -78,7 +81,7 @@ def test_the_section_ran_every_batch_and_the_transformers_loop(smallest):
       m["update"]["model_flops_per_s"] / ac["limits"]["peak_bf16_flops"])
   assert m["hf"]["device"] == "cpu" and m["hf"]["generated_tokens"] > 0
   assert m["hf_ratio"] == pytest.approx(m["hf"]["seconds"] / m["rollout"]["seconds"])
-  assert m["peak_bytes"] is None                  # CPU: no memory stats
+  assert m["peak_bytes"] is None and ac["limits"]["device_bytes"] is None   # CPU: no stats
   assert m["planned_bytes"] > 0
   assert (out / "hf_tiny" / "config.json").is_file()
 
@@ -93,6 +96,7 @@ def test_markdown_holds_the_section_with_its_numbers(smallest):
   lim = ac["limits"]
   assert (f"HBM bandwidth {lim['bandwidth'] / 1e12:.3f} TB/s (measured), dense bf16 peak "
           f"{lim['peak_bf16_flops'] / 1e12:.1f} TFLOP/s (measured)") in md
+  assert "the device holds n/a" in md
   (m,) = ac["models"]
   for r in m["batches"]:
     assert (f"| tiny | {m['params']:,} | {r['episodes']} | {r['seconds']:.2f} | "
@@ -102,3 +106,30 @@ def test_markdown_holds_the_section_with_its_numbers(smallest):
           f"{100 * d['fraction_of_bound']:.1f}%) | {u['tokens_per_s']:,.0f}, "
           f"{100 * u['mfu']:.2f}% | {hf['episodes_per_s']:,.2f} (cpu) | {m['hf_ratio']:.2f}x | "
           f"n/a / {nbytes(m['planned_bytes'])} |") in md
+
+
+@pytest.mark.parametrize("shape,vocab,published", [("smollm2-135m", 49152, 134_515_008),
+                                                   ("qwen2-0.5b", 151936, 494_032_768),
+                                                   ("qwen2-1.5b", 151936, 1_543_714_304)])
+def test_the_shapes_are_the_real_models_layers(shape, vocab, published):
+  """With the real vocabulary the shapes count the published models' parameters exactly."""
+  cfg = dataclasses.replace(from_pretrained("builtin:micro").config, vocab_size=vocab,
+                            **accelerator.SHAPES[shape])
+  assert cfg.num_params() == published
+
+
+def test_a_model_the_device_cannot_hold_is_skipped_and_said(tmp_path):
+  base = from_pretrained("builtin:micro")
+  env = envs.make("lookup", base.tokenizer)
+  limits = {"device_bytes": 1000, "peak_bf16_flops": 1.0, "bandwidth": 1.0}
+  m = accelerator.model_rows(base, env, None, launcher.default_learner(), "tiny", "bfloat16",
+                             (2,), 2, 1, True, tmp_path, limits)
+  assert m["planned_bytes"] > 1000 and "batches" not in m
+  assert m["skipped"] == (f"the planner's {nbytes(m['planned_bytes'])} exceed the device's "
+                          "1000 B")
+  ac = {"date": "d", "backend": "gpu", "versions": {"jax": "v"}, "dtype": "bfloat16", "turns": 1,
+        "detail_batch": 2, "limits": {**limits, "device": "X", "bandwidth_source": "table",
+                                      "peak_source": "table"}, "models": [m]}
+  md = "\n".join(report.accelerator_lines({"accelerator": ac}))
+  assert f"| tiny | {m['params']:,} | skipped: {m['skipped']} | | | |" in md
+  assert "the device holds 1000 B" in md
