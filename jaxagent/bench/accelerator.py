@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import datetime
 import importlib.metadata
+import json
 import pathlib
 import time
 
@@ -193,14 +194,34 @@ def versions() -> dict:
 
 
 def accelerator_section(base, env, host, learner: LearnerConfig, shapes, dtype: str, batches,
-                        detail_batch: int, turns: int, hf: bool, workdir, limit_args) -> dict:
+                        detail_batch: int, turns: int, hf: bool, workdir, limit_args,
+                        budget_s: float | None = None) -> dict:
   """Every model of `shapes` (give them smallest first: the memory is a high-water mark) on the
   default device, with the device, its limits, the date and the versions. `env` is `lookup` and
-  `host` its host twin (the transformers loop's environment)."""
+  `host` its host twin (the transformers loop's environment).
+
+  budget_s: the section's seconds; a model is skipped (and says so) where the time spent plus
+  1.5x the last model's seconds would pass it, so a time-limited device call ends with its
+  tables. After each model the section so far is written to `workdir`/accelerator_partial.json
+  (what a killed run leaves)."""
+  t0 = time.perf_counter()
   limits = {**device_limits(jax.devices()[0].device_kind, *limit_args),
             "device_bytes": memory.device_memory_bytes()}
-  models = [model_rows(base, env, host, learner, s, dtype, batches, detail_batch, turns, hf,
-                       workdir, limits) for s in shapes]
-  return {"date": datetime.date.today().isoformat(), "backend": jax.default_backend(),
-          "versions": versions(), "limits": limits, "dtype": dtype, "turns": turns,
-          "batches": list(batches), "detail_batch": detail_batch, "models": models}
+  res = {"date": datetime.date.today().isoformat(), "backend": jax.default_backend(),
+         "versions": versions(), "limits": limits, "dtype": dtype, "turns": turns,
+         "batches": list(batches), "detail_batch": detail_batch, "models": []}
+  out = pathlib.Path(workdir)
+  out.mkdir(parents=True, exist_ok=True)
+  last = 0.0
+  for s in shapes:
+    spent = time.perf_counter() - t0
+    if budget_s is not None and spent + 1.5 * last > budget_s:
+      res["models"].append({"shape": s, "params": None, "skipped": (
+          f"out of time: {spent:.0f} s spent, the last model took {last:.0f} s, budget "
+          f"{budget_s:.0f} s")})
+    else:
+      res["models"].append(model_rows(base, env, host, learner, s, dtype, batches,
+                                      detail_batch, turns, hf, workdir, limits))
+      last = res["models"][-1].get("seconds", 0.0)
+    (out / "accelerator_partial.json").write_text(json.dumps(res, indent=2))
+  return res

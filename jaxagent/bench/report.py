@@ -246,7 +246,8 @@ def accelerator_lines(res: dict) -> list[str]:
   ran = [m for m in ac["models"] if "skipped" not in m]
   for m in ac["models"]:
     if "skipped" in m:
-      lines.append(f"| {m['shape']} | {m['params']:,} | skipped: {m['skipped']} | | | |")
+      params = "" if m["params"] is None else f"{m['params']:,}"
+      lines.append(f"| {m['shape']} | {params} | skipped: {m['skipped']} | | | |")
     for r in m.get("batches", ()):
       lines.append(f"| {m['shape']} | {m['params']:,} | {r['episodes']} | {r['seconds']:.2f} | "
                    f"{fmt(r['episodes_per_s'])} | {fmt(r['generated_tokens_per_s'], 0)} |")

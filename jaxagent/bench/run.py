@@ -89,6 +89,7 @@ class Options:
   accel_detail_batch: int = 64       # the batch of decode, update, transformers loop
   accel_turns: int = 2
   accel_hf: bool | None = None       # the transformers loop; None: when torch is installed
+  accel_budget_s: float | None = None   # the section's seconds (later models skipped past it)
 
   def resolved(self) -> "Options":
     """These options with the automatic choices (smollm2, peers) made."""
@@ -105,7 +106,8 @@ PRESETS = {
     "default": {},
     # One GPU in <= 8 minutes: the accelerator section alone (docs/benchmark/accelerator.md).
     "accelerator": dict(core=False, big=False, smollm2=False, peers=False, scaling=False,
-                        accelerator=MODELS, repeats=1, matmul_size=4096, bandwidth_mib=1024),
+                        accelerator=MODELS, repeats=1, matmul_size=4096, bandwidth_mib=1024,
+                        accel_budget_s=390.0),
 }
 
 
@@ -173,7 +175,7 @@ def run_benchmark(options: Options) -> dict:
   if o.accelerator:
     res["accelerator"] = accelerator_section(
         policy, env, host, o.learner, o.accelerator, o.accel_dtype, o.accel_batches,
-        o.accel_detail_batch, o.accel_turns, o.accel_hf, o.out, limit_args)
+        o.accel_detail_batch, o.accel_turns, o.accel_hf, o.out, limit_args, o.accel_budget_s)
   res["machine"].update(machine.machine_section(first, machine.limits(*limit_args)))
   m = res["machine"]
   report.with_limits(res, m["peak_gflops"] * 1e9, m["bandwidth_gbs"] * 1e9)

@@ -34,6 +34,7 @@ def test_the_preset_measures_the_three_shapes_alone():
   assert o.accel_batches == (8, 64, 256) and o.accel_detail_batch == 64
   assert o.accel_dtype == "bfloat16"
   assert not (o.core or o.big or o.smollm2 or o.peers or o.scaling)
+  assert o.accel_budget_s == 390.0                 # the 8-minute device call, with its margin
   assert set(PRESETS) == {"default", "accelerator"}
   with pytest.raises(ValueError, match="pick one of default, accelerator"):
     preset("gpu", launcher.default_learner())
@@ -84,6 +85,21 @@ def test_the_section_ran_every_batch_and_the_transformers_loop(smallest):
   assert m["peak_bytes"] is None and ac["limits"]["device_bytes"] is None   # CPU: no stats
   assert m["planned_bytes"] > 0
   assert (out / "hf_tiny" / "config.json").is_file()
+  partial = json.loads((out / "accelerator_partial.json").read_text())
+  assert partial["models"] == json.loads(json.dumps(ac["models"]))
+
+
+def test_a_model_past_the_time_budget_is_skipped_and_said(tmp_path):
+  base = from_pretrained("builtin:micro")
+  env = envs.make("lookup", base.tokenizer)
+  ac = accelerator.accelerator_section(base, env, None, launcher.default_learner(), ("tiny",),
+                                       "bfloat16", (2,), 2, 1, False, tmp_path, (64, 1, 1),
+                                       budget_s=0.0)
+  (m,) = ac["models"]
+  assert m["skipped"].startswith("out of time: 0 s spent, the last model took 0 s, budget 0 s")
+  assert json.loads((tmp_path / "accelerator_partial.json").read_text())["models"] == [m]
+  md = "\n".join(report.accelerator_lines({"accelerator": ac}))
+  assert f"| tiny |  | skipped: {m['skipped']} | | | |" in md
 
 
 def test_markdown_holds_the_section_with_its_numbers(smallest):
