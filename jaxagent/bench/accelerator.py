@@ -3,7 +3,10 @@ rollout at several batches, decode against the device's HBM bandwidth bound, the
 over the device's bf16 peak, the `transformers` generate loop on the same device, and the peak
 memory against the planner's plan.
 
-    python -m launch.benchmark --preset=accelerator     # one GPU, <= 8 minutes
+    python -m launch.benchmark --preset=accelerator   # sized for one GPU in <= 8 minutes
+
+Not yet run on a GPU or TPU (docs/benchmark/accelerator.md records the runs). A model the
+planner says the device cannot hold, or that would pass the time budget, is skipped and says why.
 
 The models (SHAPES) are SmolLM2-135M's layers (llama) and Qwen2-0.5B's and Qwen2-1.5B's layers
 with random weights on the built-in tokenizer's 720-token vocabulary: no download, and every id
