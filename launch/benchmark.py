@@ -5,6 +5,10 @@
                                [--turns=8] [--nobig] [--nosmollm2] [--nopeers] [--noscaling]
                                [--out=workdirs/benchmark]
 
+    python -m launch.benchmark --preset=accelerator [--accel_models=qwen2-0.5b,...] [--out=DIR]
+
+The accelerator preset (one GPU, <= 8 minutes; docs/benchmark/accelerator.md) runs only the
+accelerator section (`jaxagent.bench.accelerator`); the flags above but --out are then ignored.
 Writes benchmark.json, benchmark.md (the tables) and scaling.png to --out. The measurements live
 in `jaxagent.bench` (each section and what it is measured against: its modules' docstrings); this
 launcher only parses flags. The RL update measured is the default config's (configs/default.py).
@@ -16,7 +20,9 @@ from absl import app, flags
 
 from configs.default import get_config
 from jaxagent.bench import Options, markdown, run_benchmark, write
+from jaxagent.bench.accelerator import SHAPES
 from jaxagent.bench.models import BIG
+from jaxagent.bench.run import PRESETS, preset
 from jaxagent.learners.update import LearnerConfig
 
 _MODEL = flags.DEFINE_string("model", "builtin:micro", "builtin:NAME or a local HF directory.")
@@ -41,14 +47,31 @@ _PEERS = flags.DEFINE_bool(
     "peers", None, "Also run the shared peers' workload in jaxagent and in the `transformers` "
     "generate loop on the same weights (default: when torch is installed).")
 _OUT = flags.DEFINE_string("out", "workdirs/benchmark", "Output directory.")
+_PRESET = flags.DEFINE_enum("preset", "default", list(PRESETS),
+                            "accelerator: random models of real shapes in bf16 on one GPU or TPU "
+                            "against its limits and the transformers loop (the other flags but "
+                            "--out and --accel_models are ignored).")
+_ACCEL_MODELS = flags.DEFINE_list("accel_models", [],
+                                  f"The accelerator preset's models, smallest first, from "
+                                  f"{', '.join(SHAPES)} (default: the preset's).")
+
+
+def default_learner() -> LearnerConfig:
+  """The RL update's settings the benchmark measures: the default config's learner at its
+  rollout temperature."""
+  config = get_config("default")
+  return LearnerConfig.from_config({**config.rl.learner.to_dict(),
+                                    "temperature": float(config.rl.temperature)})
 
 
 def main(argv):
   del argv
-  config = get_config("default")
-  learner = LearnerConfig.from_config({**config.rl.learner.to_dict(),
-                                       "temperature": float(config.rl.temperature)})
-  options = Options(
+  learner = default_learner()
+  if _PRESET.value != "default":
+    extra = {"accelerator": tuple(_ACCEL_MODELS.value)} if _ACCEL_MODELS.value else {}
+    options = preset(_PRESET.value, learner, out=_OUT.value, **extra)
+  else:
+    options = Options(
       learner=learner, model=_MODEL.value, env=_ENV.value, tasks=_TASKS.value,
       group=_GROUP.value, turns=_TURNS.value, repeats=_REPEATS.value, big=_BIG.value,
       big_size=_BIG_SIZE.value, big_dtype=_BIG_DTYPE.value, big_episodes=_BIG_EPISODES.value,

@@ -11,8 +11,10 @@ top layer of the library: it imports what it measures; nothing in jaxagent impor
   update    the RL update's tokens/s and model FLOP/s; turn-level credit's overhead
   models    larger random-weight models and SmolLM2: one model's section
   peers     the peers' workload against the `transformers` generate loop (needs torch)
+  accelerator  random SmolLM2/Qwen2-shaped models in bf16 on a GPU or TPU against its datasheet
+            limits and the `transformers` loop there (`--preset=accelerator`)
   report    markdown tables and the scaling plot, rendered from the results
-  run       `Options`, `run_benchmark(options) -> dict`, `write(results, out)`
+  run       `Options`, `preset(name, learner)`, `run_benchmark(options) -> dict`, `write`
 """
 
 from jaxagent.bench.report import markdown, with_limits

@@ -49,11 +49,12 @@ def best_of(fn, repeats: int) -> float:
   return min(once(fn) for _ in range(max(1, repeats)))
 
 
-def peak_matmul_flops(n: int = 2048, repeats: int = 5) -> float:
-  """FLOP/s of a jitted float32 n^3 matmul, best of `repeats` (the machine's practical peak)."""
+def peak_matmul_flops(n: int = 2048, repeats: int = 5, dtype=jnp.float32) -> float:
+  """FLOP/s of a jitted n^3 matmul in `dtype` (default float32), best of `repeats` (the
+  machine's practical peak)."""
   k1, k2 = jax.random.split(jax.random.key(0))
-  a = jax.random.normal(k1, (n, n), jnp.float32)
-  b = jax.random.normal(k2, (n, n), jnp.float32)
+  a = jax.random.normal(k1, (n, n), dtype)
+  b = jax.random.normal(k2, (n, n), dtype)
   f = jax.jit(lambda a, b: a @ b)
   return matmul_flops(n, n, n) / best_of(lambda: f(a, b).block_until_ready(), repeats)
 

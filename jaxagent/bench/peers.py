@@ -20,7 +20,7 @@ import numpy as np
 import jaxagent.envs as envs
 from jaxagent.bench.machine import timed
 from jaxagent.bench.models import random_policy
-from jaxagent.bench.rollouts import naive_rollout, rollout_fn, rollout_row, with_attention
+from jaxagent.bench.rollouts import naive_row, rollout_fn, rollout_row, with_attention
 from jaxagent.envs.host import HostLookupEnv
 from jaxagent.models import attention
 from jaxagent.planning.flops import param_counts
@@ -34,7 +34,7 @@ def hf_generate(model, eot: int, pad: int):
   """`generate` for `rollouts.naive_rollout` with a transformers (PyTorch) model: the batch of
   histories left-padded, one `model.generate` call (its own KV cache within the call, nothing
   kept across turns), plain sampling at temperature 1 (top-k and top-p off), stopping at
-  `eot`."""
+  `eot`. The batch goes to the model's device (a GPU where `load_hf` put it there)."""
   import torch   # noqa: PLC0415 (optional: the benchmark's transformers row)
 
   def generate(histories, max_new, seed):
@@ -44,6 +44,7 @@ def hf_generate(model, eot: int, pad: int):
     for i, h in enumerate(histories):
       ids[i, width - len(h):] = torch.tensor(h)
       mask[i, width - len(h):] = 1
+    ids, mask = ids.to(model.device), mask.to(model.device)
     torch.manual_seed(seed)
     with torch.inference_mode():
       out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new,
@@ -56,6 +57,16 @@ def hf_generate(model, eot: int, pad: int):
   return generate
 
 
+def load_hf(policy, hf_dir, dtype: str = "float32", device: str = "cpu"):
+  """`policy` written as a Hugging Face directory `hf_dir` and loaded by transformers in `dtype`
+  on the torch `device` ("cpu", "cuda"), in eval mode: the same weights in both frameworks."""
+  from transformers import AutoModelForCausalLM   # noqa: PLC0415 (optional dependency)
+  import torch   # noqa: PLC0415
+  policy.save_pretrained(hf_dir)
+  model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=getattr(torch, dtype))
+  return model.to(device).eval()
+
+
 def peer_section(base, repeats: int, workdir, episodes: int = PEER_EPISODES,
                  turns: int = PEER_TURNS) -> dict:
   """jaxagent's jitted rollout (and, where the model's attention path is the CPU kernel, the
@@ -64,12 +75,9 @@ def peer_section(base, repeats: int, workdir, episodes: int = PEER_EPISODES,
   rollout's; target >= 5x), and the two frameworks' largest logit difference on the first
   prompt (the same weights). The exported model is written under `workdir`/peer_qwen2. Needs
   torch and transformers' model classes."""
-  from transformers import AutoModelForCausalLM   # noqa: PLC0415
   import torch   # noqa: PLC0415
   policy = random_policy(base, seed=0, **PEER)
-  hf_dir = pathlib.Path(workdir) / "peer_qwen2"
-  policy.save_pretrained(hf_dir)
-  model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32).eval()
+  model = load_hf(policy, pathlib.Path(workdir) / "peer_qwen2")
   env = envs.make("lookup", policy.tokenizer, hops=PEER_HOPS)
   host = HostLookupEnv(env.codec, hops=PEER_HOPS)
   tasks = jax.vmap(env.sample_task)(jax.random.split(jax.random.key(0), episodes))
@@ -88,13 +96,10 @@ def peer_section(base, repeats: int, workdir, episodes: int = PEER_EPISODES,
     xla_row = rollout_row(xla_secs, xla_traj, episodes)
   eot, pad = int(env.codec.end_of_turn_id), int(env.codec.pad_id)
   gen = hf_generate(model, eot, pad)
-  hf_secs, toks = timed(lambda: naive_rollout(None, host, jax.tree.map(np.asarray, tasks),
-                                              turns, PEER_TOKENS, 0, generate=gen),
-                        repeats)
+  hf = naive_row(None, host, jax.tree.map(np.asarray, tasks), 1, turns, PEER_TOKENS, repeats,
+                 generate=gen)
   return {"params": param_counts(policy.config, policy.params)["total"],
           "episodes": episodes, "turns": turns, "tokens_per_turn": PEER_TOKENS,
           "hops": PEER_HOPS, "logits_max_abs_diff": diff,
           "torch_threads": torch.get_num_threads(), "jax": jax_row, "jax_xla_attention": xla_row,
-          "hf": {"seconds": hf_secs, "episodes_per_s": episodes / hf_secs,
-                 "generated_tokens": toks, "generated_tokens_per_s": toks / hf_secs},
-          "speedup": hf_secs / secs}
+          "hf": hf, "speedup": hf["seconds"] / secs}

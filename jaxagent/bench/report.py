@@ -10,13 +10,14 @@ from __future__ import annotations
 
 from jaxagent.eval.plots import plt, save
 from jaxagent.planning.flops import bandwidth_bound, utilisation
+from jaxagent.planning.memory import format_bytes
 
 
 def with_limits(res: dict, peak: float, bandwidth: float) -> None:
   """Adds each section's model FLOP utilisation (over `peak` FLOP/s) and its decode's bandwidth
   bound (reading its bytes at `bandwidth` bytes/s) and fraction of that bound."""
   for sec in (res, res.get("big") or {}, res.get("smollm2") or {}):
-    if sec:
+    if sec and "update" in sec:
       sec["update"]["mfu"] = utilisation(sec["update"]["model_flops_per_s"], peak)
       d = sec["decode"]
       d.update(bandwidth_bound(d["tokens"], d["seconds"], d["bound_bytes"], bandwidth))
@@ -39,6 +40,8 @@ def machine_lines(res: dict) -> list[str]:
 
 def rollout_lines(res: dict) -> list[str]:
   """The rollout methods' table, with the decode-only and the pieces' rows, each against jax."""
+  if "rollout" not in res:
+    return []
   r = res["rollout"]
   jax_s = r["jax"]["seconds"]
   lines = [f"Rollout: {res['model']} ({res['params']:,} parameters), {res['env']}, "
@@ -99,6 +102,8 @@ def section_names(res: dict) -> list[tuple[str, dict]]:
 def measures_lines(res: dict) -> list[str]:
   """The measures against their targets: speedups, the rollout over its pieces, the peers'
   workload, credit's overhead, and each model's decode (bound) and update (MFU)."""
+  if "rollout" not in res:
+    return []
   r, d, bd = res["rollout"], res["decode"], res.get("breakdown")
   speedup = r["naive"]["seconds"] / r["jax"]["seconds"]
   lines = ["", "| measure | value | target |", "|---|---|---|",
@@ -217,10 +222,58 @@ def scaling_lines(res: dict) -> list[str]:
   return lines
 
 
+def nbytes(n) -> str:
+  """Bytes in the planner's units, or "n/a" for None (a backend that reports no memory)."""
+  return "n/a" if n is None else format_bytes(n)
+
+
+def accelerator_lines(res: dict) -> list[str]:
+  """The accelerator section: the device, its limits and versions; each model's rollout at each
+  batch; each model's decode (bound), update (MFU), transformers loop and memory at the detail
+  batch."""
+  ac = res.get("accelerator")
+  if not ac:
+    return []
+  lim, v = ac["limits"], ac["versions"]
+  vers = ", ".join(f"{k} {x}" for k, x in v.items() if x)
+  lines = ["", f"Accelerator preset ({ac['date']}): {lim['device']} ({ac['backend']}); {vers}. "
+           f"HBM bandwidth {lim['bandwidth'] / 1e12:.3f} TB/s ({lim['bandwidth_source']}), "
+           f"dense bf16 peak {lim['peak_bf16_flops'] / 1e12:.1f} TFLOP/s "
+           f"({lim['peak_source']}). Random weights in {ac['dtype']} on the built-in "
+           f"tokenizer's vocabulary, `lookup`, {ac['turns']} turns per episode.", "",
+           "| model | parameters | episodes | seconds | episodes/s | generated tokens/s |",
+           "|---|---|---|---|---|---|"]
+  ran = [m for m in ac["models"] if "skipped" not in m]
+  for m in ac["models"]:
+    if "skipped" in m:
+      params = "" if m["params"] is None else f"{m['params']:,}"
+      lines.append(f"| {m['shape']} | {params} | skipped: {m['skipped']} | | | |")
+    for r in m.get("batches", ()):
+      lines.append(f"| {m['shape']} | {m['params']:,} | {r['episodes']} | {r['seconds']:.2f} | "
+                   f"{fmt(r['episodes_per_s'])} | {fmt(r['generated_tokens_per_s'], 0)} |")
+  lines += ["", f"At {ac['detail_batch']} episodes (peak memory: the process's high-water mark "
+            "after the model's rows; planned: the planner's bytes for them; the device holds "
+            f"{nbytes(lim.get('device_bytes'))}):", "",
+            "| model | decode tokens/s (bound: share) | update tokens/s, MFU | transformers "
+            "loop episodes/s (device) | jax rollout vs transformers | peak memory / planned |",
+            "|---|---|---|---|---|---|"]
+  for m in ran:
+    d, u, hf = m["decode"], m["update"], m.get("hf")
+    hf_cell = (f"{fmt(hf['episodes_per_s'], 2)} ({hf['device']})" if hf else
+               f"not run ({m.get('hf_skipped', 'off')})")
+    ratio = f"{m['hf_ratio']:.2f}x" if hf else "n/a"
+    lines.append(f"| {m['shape']} | {fmt(d['tokens_per_s'], 0)} "
+                 f"({fmt(d['bound_tokens_per_s'], 0)}: {100 * d['fraction_of_bound']:.1f}%) | "
+                 f"{fmt(u['tokens_per_s'], 0)}, {100 * u['mfu']:.2f}% | {hf_cell} | {ratio} | "
+                 f"{nbytes(m['peak_bytes'])} / {nbytes(m['planned_bytes'])} |")
+  return lines
+
+
 def markdown(res: dict) -> str:
   """Every section of `res` present, in the order of benchmark.md (call `with_limits` first)."""
   lines = (machine_lines(res) + rollout_lines(res) + measures_lines(res) + host_path_lines(res)
-           + profile_lines(res) + peers_lines(res) + models_lines(res) + scaling_lines(res))
+           + profile_lines(res) + peers_lines(res) + models_lines(res) + scaling_lines(res)
+           + accelerator_lines(res))
   return "\n".join(lines) + "\n"
 
 

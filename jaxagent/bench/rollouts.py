@@ -110,23 +110,34 @@ def compare_methods(policy, env, host_env, tasks, group: int, turns: int, repeat
     secs, traj = timed(run, repeats)
     rows[name] = rollout_row(secs, traj, episodes)
     logging.info("%s rollout: %s", name, rows[name])
-  rep_tasks = jax.tree.map(lambda x: np.repeat(np.asarray(x), group, axis=0), tasks)
-  secs, toks = timed(lambda: naive_rollout(policy, host_env, rep_tasks, turns,
-                                           env.max_action_len, 0), repeats)
-  rows["naive"] = {"seconds": secs, "episodes_per_s": episodes / secs,
-                   "generated_tokens_per_s": toks / secs}
+  rows["naive"] = naive_row(policy, host_env, tasks, group, turns, env.max_action_len, repeats)
   logging.info("naive rollout: %s", rows["naive"])
   return rows
 
 
+def naive_row(policy, host_env, tasks, group: int, turns: int, max_new: int, repeats: int,
+              generate=None) -> dict:
+  """The naive loop (`naive_rollout`, `generate` as there) on `tasks` x `group` episodes of
+  `turns` turns of at most `max_new` tokens, median of `repeats` after one untimed run: seconds,
+  episodes/s, generated tokens and tokens/s (the workload of a jax rollout of the same tasks)."""
+  rep_tasks = jax.tree.map(lambda x: np.repeat(np.asarray(x), group, axis=0), tasks)
+  episodes = len(jax.tree.leaves(rep_tasks)[0])
+  secs, toks = timed(lambda: naive_rollout(policy, host_env, rep_tasks, turns, max_new, 0,
+                                           generate=generate), repeats)
+  return {"seconds": secs, "episodes_per_s": episodes / secs, "generated_tokens": toks,
+          "generated_tokens_per_s": toks / secs}
+
+
 def scaling(policy, env, repeats: int, base_batch: int, base_turns: int,
-            batches=(16, 64, 256), turns=(2, 4, 8), tokens=(8, 16, None)) -> list[dict]:
-  """Jitted-rollout throughput as one axis grows at a time: the batch (`batches` episodes of 4
-  turns), the turns per episode (`turns`, at `base_batch` episodes) and the tokens per turn
-  (`tokens`, None = the environment's whole action length, at `base_batch` x `base_turns`).
+            batches=(16, 64, 256), turns=(2, 4, 8), tokens=(8, 16, None),
+            batch_turns: int = 4) -> list[dict]:
+  """Jitted-rollout throughput as one axis grows at a time: the batch (`batches` episodes of
+  `batch_turns` turns), the turns per episode (`turns`, at `base_batch` episodes) and the tokens
+  per turn (`tokens`, None = the environment's whole action length, at `base_batch` x
+  `base_turns`).
   Episodes come in groups of 8 (fewer where a batch is smaller). One row per point."""
   a_max = env.max_action_len
-  points = ([("batch", b, 4, a_max) for b in batches]
+  points = ([("batch", b, batch_turns, a_max) for b in batches]
             + [("turns", base_batch, t, a_max) for t in turns]
             + [("tokens per turn", base_batch, base_turns, a or a_max) for a in tokens])
   rows = []

