@@ -83,8 +83,8 @@ reference = a frozen copy of the starting adapters when there is a KL term (the 
 adapters off is the reference: no second base, on the device or the host); activations as for
 full fine-tuning, less what no weight gradient needs (`lora_memory.unsaved_bytes`: one layer
 when no MLP projection has an adapter, the attention output when o_proj has none; fitted to
-XLA's compiled memory on builtin micro/tiny, S = 64-256); dequant (int8 base only) = the unembedding matrix and one layer's
-[D, F] matrix dequantised in the compute dtype.
+XLA's compiled memory on builtin micro/tiny, S = 64-256); dequant (int8 base only) = the
+unembedding matrix and one layer's [D, F] matrix dequantised in the compute dtype.
 
 This is an estimate of live buffers, not of XLA's allocator: fusion, layout padding and
 fragmentation move the real peak; leave headroom. Checked against XLA's compiled memory analysis

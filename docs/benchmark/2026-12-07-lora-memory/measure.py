@@ -31,4 +31,6 @@ rl = [l for l in lines if l.get("phase") == "rl"]
 print(json.dumps({"arm": arm, "wall_s": round(wall, 1),
                   "rollout_s": [round(l["timing"]["rollout_seconds"], 2) for l in rl],
                   "update_s": [round(l["timing"]["update_seconds"], 2) for l in rl],
-                  "peak_rss_gb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6, 2)}))
+                  # ru_maxrss is in KiB on Linux: / 1e6 is units of 1.024e9 bytes (x 0.954 = GiB)
+                  "peak_rss_gb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6,
+                                       2)}))
