@@ -35,8 +35,11 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # Low-rank adapters (jaxagent.models.lora): rank 0 = off (full fine-tuning); else only the
   # adapters on `targets` (comma-separated, of q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,
   # down_proj) train, scaled by alpha / rank, with dropout on their inputs while training.
+  # base_dtype: the frozen base "float" (as loaded) or "int8" (QLoRA-style: int8 matrices with
+  # per-output-channel scales, dequantised per product; ~1/4 of float32's bytes).
   c.model.lora = ml_collections.ConfigDict(
-      {"rank": 0, "alpha": 16.0, "dropout": 0.0, "targets": "q_proj,k_proj,v_proj,o_proj"})
+      {"rank": 0, "alpha": 16.0, "dropout": 0.0, "targets": "q_proj,k_proj,v_proj,o_proj",
+       "base_dtype": "float"})
 
   # Mesh axis sizes; -1 takes the remaining devices.
   c.mesh = ml_collections.ConfigDict({"data": 1, "fsdp": -1, "tensor": 1})

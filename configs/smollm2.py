@@ -65,8 +65,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # frozen matrices are skipped; the activation gradients still flow through them), and the
     # RL reference is the base with the SFT adapters (no second copy of the model).
     # The time saved goes to RL, the phase the `cpu` study could afford only 4 steps of: 12 RL
-    # steps per run. Not yet timed on this model (issue 40: the side-by-side step time and the
-    # fresh-clone run); if the run overshoots, lower rl.steps first.
+    # steps per run. Timed on this model (docs/benchmark/2026-12-07-lora-memory: RL only, 8
+    # episodes, contended 2-core CPU): the RL step 0.49-0.94x full fine-tuning's (the load's drift
+    # was larger than the difference), peak memory 0.62-0.65x. The fresh-clone study run is not
+    # done (issue 40); if the run overshoots, lower rl.steps first.
     c.model.lora.rank, c.model.lora.alpha = 16, 32.0
     c.model.lora.targets = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
     # Adapters start at zero and have few parameters: LoRA's customary ~10x the full

@@ -10,7 +10,7 @@ import pytest
 from configs.default import get_config
 from jaxagent import train
 from jaxagent.checkpoint import Checkpointer, IncompatibleCheckpointError
-from jaxagent.models import lora
+from jaxagent.models import decoder, lora, quant
 from jaxagent.models.lora_io import BASE_FINGERPRINT_KEY, base_fingerprint
 from jaxagent.runs import adapters, layout, setup
 from jaxagent.runs.programs import programs_for
@@ -101,3 +101,31 @@ def test_lora_resume_on_another_base_or_kind_is_refused(tmp_path, monkeypatch):
   with pytest.raises(ValueError, match=r"holds LoRA adapters .*config\.model\.lora\.rank=4"):
     train.run(_config(0, 1, data, **{"model.lora.rank": 0, "model.init_from": str(work)}),
               tmp_path / "full")
+
+
+def test_lora_on_an_int8_base_trains_and_evaluates(tmp_path):
+  """config.model.lora.base_dtype="int8": the run holds the base in int8 (its fingerprint is the
+  int8 weights'), trains SFT then RL, and evaluation restores base + adapters in int8 again; the
+  float base's fingerprint is refused for those adapters' config the other way round."""
+  data = tmp_path / "data"
+  work = tmp_path / "w"
+  config = _config(2, 1, data, **{"model.lora.base_dtype": "int8"})
+  policy = setup.load_policy(config)
+  float_base = policy.params
+  int8_base = quant.quantize_params(float_base)
+  done = train.run(config, work)
+  assert done["base_fingerprint"] == base_fingerprint(int8_base) != base_fingerprint(float_base)
+  ad, meta = _adapters(work, "rl", config, policy)
+  assert meta[adapters.LORA_KEY]["base_dtype"] == "int8"
+  loader = adapters.BaseLoader(lambda: float_base)
+  got = adapters.restore_policy(work, "rl", 1, layout.abstract_params(float_base),
+                                policy.config, loader, policy.mesh)
+  assert quant.is_quantized(got["layers"]["q_proj"])
+  tokens = jax.numpy.arange(1, 9, dtype=jax.numpy.int32)[None]
+  want = decoder.apply(policy.config, lora.attach(int8_base, ad, adapters.config_from_meta(meta)),
+                       tokens)[0]
+  np.testing.assert_array_equal(np.asarray(decoder.apply(policy.config, got, tokens)[0]),
+                                np.asarray(want))
+  # Continuing these adapters with a float base: refused, naming the key.
+  with pytest.raises(ValueError, match=r"config\.model\.lora\.base_dtype='int8'"):
+    train.run(_config(0, 1, data, **{"model.init_from": str(work)}), tmp_path / "next")

@@ -27,9 +27,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx, struct
+from jax.ad_checkpoint import checkpoint_name
 
 from jaxagent.kernels import cpu
-from jaxagent.models import attention, lora
+from jaxagent.models import attention, lora, quant
 from jaxagent.models.attention import CACHE_BLOCK, QUERY_BLOCK
 from jaxagent.models.config import ModelConfig
 from jaxagent.sharding.mesh import constrain_batch
@@ -179,7 +180,9 @@ def for_decode(cfg: ModelConfig, params: dict) -> dict:
   cache = jax.ShapeDtypeStruct((1, 1, 1, cfg.head_dim, 1), dt)
   q = jax.ShapeDtypeStruct((1, 1, 1, 1, cfg.head_dim), dt)
   if not attention.use_kernel(cfg.attention, q, cache, cache) or \
-      isinstance(params["layers"], (list, tuple)):
+      isinstance(params["layers"], (list, tuple)) or quant.quantized(params):
+    # An int8 base (`quant`) stays stacked and unmerged: each step dequantises one layer at a
+    # time inside the scan, where merging or fusing would build the full-precision base.
     return params
   # Adapters (`lora.attach`) are merged into the weights once here: W + scale * A @ B.
   return unstack_layers({**params, "layers": _fused(lora.merge(params)["layers"])})
@@ -223,7 +226,7 @@ def _layer(cfg: ModelConfig, x_bld, p, cos, sin, mask_bls, cache=None, layer=Non
   dt = cfg.jnp_dtype
   w = lambda name: p[name].astype(dt)
   # a @ W over a's last n dims, plus a LoRA delta where `p` carries one (`lora.attach`).
-  proj = lambda a, name, n: lora.project(p, name, a, n, _proj(a, w(name), n, small))
+  proj = lambda a, name, n: lora.project(p, name, a, n, _proj(a, p[name], n, small, dt))
   # A kernel step's few rows (x [B, L, D]) go through the kernel's products too (`_proj`).
   small = write and x_bld.shape[0] * x_bld.shape[1] <= SMALL_MATMUL_ROWS and \
       cpu.vector_lanes() >= 16
@@ -265,12 +268,28 @@ def _layer(cfg: ModelConfig, x_bld, p, cos, sin, mask_bls, cache=None, layer=Non
   if "gate_up_proj" in p:                   # fused (`for_decode`); inference only
     gate, up = jnp.split(_proj(h, w("gate_up_proj"), 1, small), 2, axis=-1)
     x_bld = x_bld + _proj(jax.nn.silu(gate) * up, w("down_proj"), 1, small)
-  elif small or lora.adapted(p, lora.MLP_TARGETS):     # swiglu's own gradient has no adapters
-    gate, up = proj(h, "gate_proj", 1), proj(h, "up_proj", 1)
-    x_bld = x_bld + proj(jax.nn.silu(gate) * up, "down_proj", 1)
+  elif small or lora.adapted(p, lora.MLP_TARGETS) or quant.is_quantized(p["gate_proj"]):
+    # swiglu's own gradient has no adapters, and would keep an int8 base's dequantised weights
+    x_bld = x_bld + _adapted_mlp(h, proj)
   else:
     x_bld = x_bld + swiglu(h, w("gate_proj"), w("up_proj"), w("down_proj"))
   return x_bld, k, v
+
+
+def _adapted_mlp(h, proj):
+  """The MLP through `proj` (adapters, int8 weights), rematerialised but for gate and up: the
+  backward pass keeps h, gate and up per layer, as `swiglu` does, where autodiff kept six
+  [tokens, mlp] arrays per layer (silu's terms, their product; 1.6x the update's activations of
+  builtin:tiny with adapters on all seven projections) and recomputes the rest (elementwise, and
+  the adapters' rank-r products)."""
+  def mlp(h):
+    gate = checkpoint_name(proj(h, "gate_proj", 1), "mlp_gate")
+    up = checkpoint_name(proj(h, "up_proj", 1), "mlp_up")
+    return proj(jax.nn.silu(gate) * up, "down_proj", 1)
+  return jax.checkpoint(mlp, policy=_SAVE_GATE_UP)(h)
+
+
+_SAVE_GATE_UP = jax.checkpoint_policies.save_only_these_names("mlp_gate", "mlp_up")
 
 
 # Rows (batch x chunk) up to which a kernel step's weight products take `cpu.small_matmul` (on
@@ -278,15 +297,22 @@ def _layer(cfg: ModelConfig, x_bld, p, cos, sin, mask_bls, cache=None, layer=Non
 SMALL_MATMUL_ROWS = 16
 
 
-def _proj(a, w, n_in: int, small: bool):
+def _proj(a, w, n_in: int, small: bool, dt=None):
   """a [..., *in] @ w [*in, *out] over the last `n_in` dims of a (the first n_in of w): XLA's
   einsum, or with `small` the CPU kernel's product, which reads w at about the machine's
-  bandwidth where XLA:CPU's few-row products do not (inference only: it has no gradient)."""
+  bandwidth where XLA:CPU's few-row products do not (inference only: it has no gradient).
+  w is cast to `dt` (default: as it is); an int8 `quant.QTensor` is dequantised for this product
+  alone (`quant.einsum`)."""
   lead, ins, outs = a.shape[:a.ndim - n_in], w.shape[:n_in], w.shape[n_in:]
+  a_ix, w_out = "abcd"[:a.ndim - n_in], "wxyz"[:len(outs)]
+  ins_ix = "ijkl"[:n_in]
+  spec = f"{a_ix}{ins_ix},{ins_ix}{w_out}->{a_ix}{w_out}"
+  if quant.is_quantized(w):
+    return quant.einsum(spec, a, w, dt or a.dtype)
+  if dt is not None:
+    w = w.astype(dt)
   if not small:
-    a_ix, w_out = "abcd"[:a.ndim - n_in], "wxyz"[:len(outs)]
-    ins_ix = "ijkl"[:n_in]
-    return jnp.einsum(f"{a_ix}{ins_ix},{ins_ix}{w_out}->{a_ix}{w_out}", a, w)
+    return jnp.einsum(spec, a, w)
   k = int(np.prod(ins))
   out = cpu.small_matmul(a.reshape(-1, k), w.reshape(k, -1))
   return out.reshape(*lead, *outs).astype(a.dtype)
@@ -377,7 +403,7 @@ def apply(cfg: ModelConfig, params: dict, tokens, positions=None, *, attention_m
       positions = cache.length[:, None] + idx[None, :]
     mask = jnp.broadcast_to(causal, (b, l, l))
   cos, sin = rope_tables(cfg, positions)
-  x = jnp.take(params["embed"], tokens, axis=0).astype(cfg.jnp_dtype)
+  x = quant.take_rows(params["embed"], tokens, cfg.jnp_dtype)
 
   if cache is None:
     def body(x, p):
@@ -434,8 +460,8 @@ def apply(cfg: ModelConfig, params: dict, tokens, positions=None, *, attention_m
 
 def unembed(cfg: ModelConfig, params: dict, x_bld):
   """Hidden states [..., D] -> float32 logits [..., V]."""
-  if cfg.tie_word_embeddings:
-    w = params["embed"].astype(cfg.jnp_dtype)
-    return jnp.einsum("...d,vd->...v", x_bld, w, preferred_element_type=jnp.float32)
-  w = params["lm_head"].astype(cfg.jnp_dtype)
-  return jnp.einsum("...d,dv->...v", x_bld, w, preferred_element_type=jnp.float32)
+  spec, w = (("...d,vd->...v", params["embed"]) if cfg.tie_word_embeddings
+             else ("...d,dv->...v", params["lm_head"]))
+  if quant.is_quantized(w):                                    # an int8 base (`quant`)
+    return quant.einsum(spec, x_bld, w, cfg.jnp_dtype, jnp.float32)
+  return jnp.einsum(spec, x_bld, w.astype(cfg.jnp_dtype), preferred_element_type=jnp.float32)

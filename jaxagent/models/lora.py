@@ -33,6 +33,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from jaxagent.models.config import ModelConfig
+from jaxagent.models.quant import BASE_DTYPES
 
 # Projection names, as in the decoder's params and in PEFT's `target_modules`.
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -47,6 +48,9 @@ class LoraConfig:
   alpha: float = 16.0
   dropout: float = 0.0             # on the adapter's input, training forwards only
   targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
+  # How the frozen base is held: "float" (as loaded) or "int8" (`jaxagent.models.quant`: int8
+  # matrices with per-output-channel scales, dequantised per product inside the forward).
+  base_dtype: str = "float"
 
   def __post_init__(self):
     key = "config.model.lora"
@@ -62,10 +66,19 @@ class LoraConfig:
                        f"{self.alpha}")
     if not 0 <= self.dropout < 1:
       raise ValueError(f"{key}.dropout must be in [0, 1), got {self.dropout}")
+    if self.base_dtype not in BASE_DTYPES:
+      raise ValueError(f"{key}.base_dtype={self.base_dtype!r}: use one of {BASE_DTYPES}")
+    if self.base_dtype != "float" and not self.rank:
+      raise ValueError(f"{key}.base_dtype={self.base_dtype!r} needs adapters (a frozen base): "
+                       f"set {key}.rank > 0, or {key}.base_dtype='float'")
 
   @property
   def enabled(self) -> bool:
     return self.rank > 0
+
+  @property
+  def int8_base(self) -> bool:
+    return self.enabled and self.base_dtype == "int8"
 
   @property
   def scale(self) -> float:
@@ -186,6 +199,13 @@ def merge(params: dict) -> dict:
   out = {k: v for k, v in layers.items() if k != "lora"}
   for name, ad in layers["lora"].items():
     w = layers[name]
+    if not hasattr(w, "dtype"):            # a `quant.QTensor`: no full-precision copy here
+      raise ValueError(
+          f"cannot merge adapters into the int8 base's {name} (config.model.lora.base_dtype="
+          "'int8' holds no full-precision copy): merge onto the original weights (load "
+          "config.model.path again, e.g. jaxagent.models.from_pretrained(path).params, and pass "
+          "them as the base), or dequantise the int8 base first "
+          "(jaxagent.models.quant.dequantize_params: the model exactly as trained)")
     a = ad.a.astype(jnp.float32).reshape(ad.a.shape[0], -1, ad.a.shape[-1])   # [n, in, r]
     b = ad.b.astype(jnp.float32).reshape(ad.b.shape[0], ad.b.shape[1], -1)    # [n, r, out]
     delta = jnp.einsum("nir,nro->nio", a, b) * ad.scale

@@ -71,10 +71,20 @@ loc(axes, shape) = elements of that global shape on one device under the rules (
                 third of XLA's compiled rollout temp on the 1x8x1 mesh of the test)
   trajectory  = 20*loc(G, S) (tokens, positions, loss mask, behaviour log-probs, turn ids)
 
-Phases: persistent = params + optimizer + reference; rollout = kv_cache + rollout_buffers +
-rollout_transient; update = gradients + activations + update_batch; reference pass ("host"
-only) = params + layer(S, S) + 16*loc(G, chunk, V).
+Phases: persistent = params + optimizer + reference + adapters; rollout = kv_cache +
+rollout_buffers + rollout_transient + dequant; update = gradients + activations + update_batch +
+dequant; reference pass ("host" only) = params + layer(S, S) + 16*loc(G, chunk, V).
 total = persistent + max(rollout, update, reference pass).
+
+With LoRA (`lora`, rank > 0; `lora_memory`): params = the frozen base in its storage dtype
+(base_dtype "int8": 1 byte per quantised element + a float32 scale per output channel); adapters
+= the float32 adapters; gradients = adapters; optimizer = AdamW's moments of the adapters only;
+reference = a frozen copy of the starting adapters when there is a KL term (the base with
+adapters off is the reference: no second base, on the device or the host); activations as for
+full fine-tuning, less what no weight gradient needs (`lora_memory.unsaved_bytes`: one layer
+when no MLP projection has an adapter, the attention output when o_proj has none; fitted to
+XLA's compiled memory on builtin micro/tiny, S = 64-256); dequant (int8 base only) = the
+unembedding matrix and one layer's [D, F] matrix dequantised in the compute dtype.
 
 This is an estimate of live buffers, not of XLA's allocator: fusion, layout padding and
 fragmentation move the real peak; leave headroom. Checked against XLA's compiled memory analysis
@@ -98,10 +108,13 @@ import jaxagent.envs as envs
 from jaxagent.learners.update import LearnerConfig, make_optimizer
 from jaxagent.models import decoder, gguf_io, hf_io
 from jaxagent.models.config import ModelConfig
+from jaxagent.models.lora import LoraConfig
+from jaxagent.planning import lora_memory
 from jaxagent.models.policy import load_config_and_tokenizer, resolve_path
 from jaxagent.models.sampler import PREFILL_CHUNK, chunk_width
 from jaxagent.rollout.api import default_context_len
 from jaxagent.rollout.budget import Budget
+from jaxagent.runs import config as sections
 from jaxagent.sharding.mesh import MESH_AXES, logical_to_spec, mesh_sizes
 
 GIB = 1 << 30
@@ -267,18 +280,21 @@ class MemoryPlan:
   reference_pass: int        # peak of the reference log-prob pass ("host"), else 0
   host_bytes: int            # host memory the plan assumes (the "host" reference)
   notes: tuple[str, ...] = ()
+  lora: LoraConfig | None = None   # adapters (rank > 0) on a frozen base, or None
+  adapters: int = 0          # the float32 adapters (LoRA)
+  dequant: int = 0           # an int8 base's dequantised matrices alive at once
 
   @property
   def persistent(self) -> int:
-    return self.params + self.optimizer_state + self.reference
+    return self.params + self.optimizer_state + self.reference + self.adapters
 
   @property
   def rollout_peak(self) -> int:
-    return self.kv_cache + self.rollout_buffers + self.rollout_transient
+    return self.kv_cache + self.rollout_buffers + self.rollout_transient + self.dequant
 
   @property
   def update_peak(self) -> int:
-    return self.gradients + self.activations + self.update_batch
+    return self.gradients + self.activations + self.update_batch + self.dequant
 
   @property
   def total(self) -> int:
@@ -292,7 +308,8 @@ class MemoryPlan:
             "reference": self.reference, "gradients": self.gradients,
             "activations": self.activations, "update_batch": self.update_batch,
             "kv_cache": self.kv_cache, "rollout_buffers": self.rollout_buffers,
-            "rollout_transient": self.rollout_transient, "reference_pass": self.reference_pass}
+            "rollout_transient": self.rollout_transient, "reference_pass": self.reference_pass,
+            "adapters": self.adapters, "dequant": self.dequant}
 
   def as_dict(self) -> dict[str, Any]:
     return {**self.components(), "persistent": self.persistent, "rollout_peak": self.rollout_peak,
@@ -302,6 +319,9 @@ class MemoryPlan:
             "prefill_len": self.prefill_len, "param_dtype": self.model.param_dtype,
             "compute_dtype": self.model.dtype, "remat": self.remat,
             "reference_policy": self.reference_policy, "host_bytes": self.host_bytes,
+            "lora": None if self.lora is None else {
+                "rank": self.lora.rank, "targets": list(self.lora.targets),
+                "base_dtype": self.lora.base_dtype},
             "notes": list(self.notes)}
 
   def table(self, device_bytes: int | None = None) -> str:
@@ -314,14 +334,22 @@ class MemoryPlan:
         f"  episodes: {self.global_batch} per step, {self.batch_per_device} per device, "
         f"{self.minibatches} minibatch(es); context S={self.seq_len}, prompt P="
         f"{self.prefill_len}; remat={self.remat}; reference={self.reference_policy}",
-        f"  {'component':<22}{'per device':>14}",
     ]
-    rows = [("params", self.params), ("optimizer_state", self.optimizer_state),
+    if self.lora is not None:
+      lines.append(f"  LoRA rank {self.lora.rank} on {','.join(self.lora.targets)}; frozen base "
+                   f"{self.lora.base_dtype} (params = the base; gradients and optimizer state "
+                   "= the adapters')")
+    lines.append(f"  {'component':<22}{'per device':>14}")
+    lora_rows = lambda *rows: list(rows) if self.lora is not None else []
+    rows = [("params", self.params), *lora_rows(("adapters", self.adapters)),
+            ("optimizer_state", self.optimizer_state),
             ("reference", self.reference), ("= persistent", self.persistent),
             ("kv_cache", self.kv_cache), ("rollout_buffers", self.rollout_buffers),
-            ("rollout_transient", self.rollout_transient), ("= rollout peak", self.rollout_peak),
+            ("rollout_transient", self.rollout_transient),
+            *lora_rows(("dequant", self.dequant)), ("= rollout peak", self.rollout_peak),
             ("gradients", self.gradients), ("activations", self.activations),
-            ("update_batch", self.update_batch), ("= update peak", self.update_peak)]
+            ("update_batch", self.update_batch), *lora_rows(("dequant", self.dequant)),
+            ("= update peak", self.update_peak)]
     if self.reference_policy == "host":
       rows.append(("= reference pass", self.reference_pass))
     rows.append(("TOTAL", self.total))
@@ -348,7 +376,7 @@ def plan(model_cfg: ModelConfig, mesh_shape: Mapping[str, int], *, param_dtype: 
          batch_per_device: int | None = None, global_batch: int | None = None,
          seq_len: int, prefill_len: int | None = None, remat: bool = False,
          reference_policy: str = "none", minibatches: int = 1,
-         logprob_chunk: int = 128) -> MemoryPlan:
+         logprob_chunk: int = 128, lora: LoraConfig | None = None) -> MemoryPlan:
   """Bytes per device of an RL step (rollout + update) of `model_cfg` on a mesh.
 
   Args:
@@ -364,6 +392,8 @@ def plan(model_cfg: ModelConfig, mesh_shape: Mapping[str, int], *, param_dtype: 
     reference_policy: "none", "device" (a second params copy on device) or "host".
     minibatches: the learner's minibatches per pass (activations are per minibatch).
     logprob_chunk: the learner's sequence chunk of the log-softmax.
+    lora: adapters on a frozen base (rank > 0; its base_dtype "int8" for an int8 base): only
+      they are trained, and the KL reference costs no second base (module docstring).
   """
   if optimizer not in OPTIMIZERS:
     raise ValueError(f"optimizer {optimizer!r} unknown; use one of {OPTIMIZERS}")
@@ -398,11 +428,23 @@ def plan(model_cfg: ModelConfig, mesh_shape: Mapping[str, int], *, param_dtype: 
   if remat:
     notes.append("remat=True is an estimate: the decoder has no per-layer remat switch yet")
 
-  params = param_bytes(cfg, mesh)
-  opt = optimizer_bytes(cfg, mesh, optimizer)
-  grads = params if optimizer != "none" else 0
+  lcfg = lora if lora is not None and lora.enabled else None
   acts = activation_bytes(cfg, mesh, mb, seq_len, remat=remat, logprob_chunk=logprob_chunk)
   ref = reference_policy in ("device", "host")
+  adapters = dequant = 0
+  if lcfg is None:
+    params = param_bytes(cfg, mesh)
+    opt = optimizer_bytes(cfg, mesh, optimizer)
+    grads = params if optimizer != "none" else 0
+  else:
+    lcfg.check(cfg)
+    params = lora_memory.base_bytes(cfg, mesh, lcfg)
+    adapters = lora_memory.adapter_bytes(cfg, lcfg, mesh)
+    opt = lora_memory.adapter_optimizer_bytes(cfg, lcfg, mesh) if optimizer != "none" else 0
+    grads = adapters if optimizer != "none" else 0
+    acts -= lora_memory.unsaved_bytes(cfg, mesh, lcfg, mb, seq_len, remat,
+                                      _layer_bytes(cfg, mesh, mb, seq_len, seq_len))
+    dequant = lora_memory.dequant_bytes(cfg, mesh) if lcfg.int8_base else 0
   tok_g = local_elements(("batch", None), (g, seq_len), mesh)
   tok_mb = local_elements(("batch", None), (mb, seq_len), mesh)
   trajectory = _TRAJECTORY_BYTES * tok_g
@@ -423,7 +465,7 @@ def plan(model_cfg: ModelConfig, mesh_shape: Mapping[str, int], *, param_dtype: 
       + 4 * local_elements(("batch", None, None), (g, chunk, cfg.hidden_size), mesh))
   rollout_transient = (8 + c) * prompt_scores + prompt_mask + 4 * last_logits + chunk_layer
   reference_pass = 0
-  if reference_policy == "host":
+  if reference_policy == "host" and lcfg is None:
     chunk = min(logprob_chunk, max(seq_len - 1, 1))
     reference_pass = (params + _layer_bytes(cfg, mesh, g, seq_len, seq_len)
                       + 16 * local_elements(("batch", None, "vocab"), (g, chunk, cfg.vocab_size),
@@ -435,8 +477,11 @@ def plan(model_cfg: ModelConfig, mesh_shape: Mapping[str, int], *, param_dtype: 
       params=params, optimizer_state=opt, gradients=grads, activations=acts,
       update_batch=update_batch, kv_cache=kv, rollout_buffers=rollout_buffers,
       rollout_transient=rollout_transient,
-      reference=params if reference_policy == "device" else 0, reference_pass=reference_pass,
-      host_bytes=params if reference_policy == "host" else 0, notes=tuple(notes))
+      reference=(adapters if ref else 0) if lcfg else (
+          params if reference_policy == "device" else 0),
+      reference_pass=reference_pass,
+      host_bytes=params if reference_policy == "host" and lcfg is None else 0,
+      notes=tuple(notes), lora=lcfg, adapters=adapters, dequant=dequant)
 
 
 def _replan(p: MemoryPlan, **changes) -> MemoryPlan:
@@ -444,7 +489,7 @@ def _replan(p: MemoryPlan, **changes) -> MemoryPlan:
             compute_dtype=p.model.dtype, optimizer=p.optimizer, global_batch=p.global_batch,
             seq_len=p.seq_len, prefill_len=p.prefill_len, remat=p.remat,
             reference_policy=p.reference_policy, minibatches=p.minibatches,
-            logprob_chunk=p.logprob_chunk)
+            logprob_chunk=p.logprob_chunk, lora=p.lora)
   kw.update(changes)
   return plan(p.model, **kw)
 
@@ -567,7 +612,8 @@ def plan_for_config(config, num_devices: int | None = None, *, context_len: int 
   `context_len` / `prompt_len` given), the learner's minibatches and log-prob chunk, the reference
   copy when rl.learner.kl_coef > 0, on the device or (rl.reference_on_host) on the host. The
   learner knobs are read through `LearnerConfig.from_config(config.rl.learner)`, as the trainer
-  reads them (keys a config leaves out, e.g. logprob_chunk, take LearnerConfig's defaults)."""
+  reads them (keys a config leaves out, e.g. logprob_chunk, take LearnerConfig's defaults); with
+  config.model.lora.rank > 0, LoRA (adapters, and the base in config.model.lora.base_dtype)."""
   if num_devices is None:
     num_devices = config.num_devices or jax.device_count()
   sizes = mesh_sizes(dict(config.mesh), num_devices)
@@ -580,6 +626,7 @@ def plan_for_config(config, num_devices: int | None = None, *, context_len: int 
     reference_policy = "none"
   else:
     reference_policy = "host" if config.rl.reference_on_host else "device"
+  lcfg = sections.model_config(config).lora if "lora" in config.model else None
   return plan(cfg, sizes, global_batch=config.rl.num_tasks * config.rl.group_size,
               seq_len=context_len, prefill_len=prompt_len, minibatches=learner.minibatches,
-              logprob_chunk=learner.logprob_chunk, reference_policy=reference_policy)
+              logprob_chunk=learner.logprob_chunk, reference_policy=reference_policy, lora=lcfg)

@@ -16,6 +16,10 @@ The base of a LoRA run is the model's own weights (config.model.path), or the ne
 of config.model.init_from when that is a full (non-LoRA) one. When init_from holds adapters
 (e.g. a study's arms starting from the base run's SFT adapters) the base is the model's own
 weights and those adapters are where training starts.
+
+With config.model.lora.base_dtype="int8" the base is held as `quant.quantize_params` makes it
+(`held`), in training and in evaluation alike; its fingerprint is that of the int8 weights the
+adapters were trained on (so adapters of the int8 base are refused on the float base and back).
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxagent.checkpoint import Checkpointer, IncompatibleCheckpointError
-from jaxagent.models import lora
+from jaxagent.models import lora, quant
 from jaxagent.models.config import ModelConfig
 from jaxagent.models.lora_io import BASE_FINGERPRINT_KEY, base_fingerprint
 from jaxagent.runs import layout
@@ -40,7 +44,7 @@ def checkpoint_meta(lcfg: lora.LoraConfig, fingerprint: str) -> dict:
   """The meta entries of an adapter checkpoint."""
   return {BASE_FINGERPRINT_KEY: fingerprint,
           LORA_KEY: {"rank": lcfg.rank, "alpha": lcfg.alpha, "dropout": lcfg.dropout,
-                     "targets": list(lcfg.targets)}}
+                     "targets": list(lcfg.targets), "base_dtype": lcfg.base_dtype}}
 
 
 def config_from_meta(meta: dict) -> lora.LoraConfig | None:
@@ -49,7 +53,14 @@ def config_from_meta(meta: dict) -> lora.LoraConfig | None:
   if d is None:
     return None
   return lora.LoraConfig(rank=int(d["rank"]), alpha=float(d["alpha"]),
-                         dropout=float(d["dropout"]), targets=tuple(d["targets"]))
+                         dropout=float(d["dropout"]), targets=tuple(d["targets"]),
+                         base_dtype=str(d.get("base_dtype", "float")))
+
+
+def held(params: dict, lcfg: lora.LoraConfig) -> dict:
+  """The base as a LoRA run holds it: int8 (`quant.quantize_params`) with base_dtype "int8",
+  else as it is."""
+  return quant.quantize_params(params) if lcfg.int8_base else params
 
 
 def abstract_adapters(cfg: ModelConfig, lcfg: lora.LoraConfig, mesh) -> dict:
@@ -96,7 +107,7 @@ def run_base(init_from: str, policy_params: dict, cfg: ModelConfig, lcfg: lora.L
   """(base, starting adapters or None) of a LoRA run: see the module docstring. Adapters from
   init_from must have been trained with this run's rank and targets and on this base."""
   if not init_from:
-    return policy_params, None
+    return held(policy_params, lcfg), None
   found = _latest(init_from)
   if found is None:
     raise FileNotFoundError(f"config.model.init_from={init_from}: no checkpoint there; train it "
@@ -105,11 +116,14 @@ def run_base(init_from: str, policy_params: dict, cfg: ModelConfig, lcfg: lora.L
   saved = config_from_meta(meta)
   if saved is None:          # a full checkpoint: the base itself
     params = layout.restore_params(init_from, phase, step, layout.abstract_params(policy_params))
-    return params, None
-  if (saved.rank, saved.targets) != (lcfg.rank, lcfg.targets):
+    return held(params, lcfg), None
+  if (saved.rank, saved.targets, saved.base_dtype) != (lcfg.rank, lcfg.targets, lcfg.base_dtype):
     raise ValueError(f"config.model.init_from={init_from} holds adapters of rank {saved.rank} on "
-                     f"{','.join(saved.targets)}; set config.model.lora.rank={saved.rank} and "
-                     f"config.model.lora.targets={','.join(saved.targets)!r} to continue them")
+                     f"{','.join(saved.targets)} (base {saved.base_dtype}); set "
+                     f"config.model.lora.rank={saved.rank}, config.model.lora.targets="
+                     f"{','.join(saved.targets)!r} and config.model.lora.base_dtype="
+                     f"{saved.base_dtype!r} to continue them")
+  policy_params = held(policy_params, lcfg)
   want = base_fingerprint(policy_params)
   if meta.get(BASE_FINGERPRINT_KEY) != want:
     raise IncompatibleCheckpointError(
@@ -168,10 +182,12 @@ def check_workdir(ckpt: Checkpointer, lcfg: lora.LoraConfig, fingerprint: str | 
 
 
 class BaseLoader:
-  """The base weights of adapter checkpoints, computed on first use (with its fingerprint)."""
+  """The base weights of adapter checkpoints, computed on first use (with its fingerprint), and
+  its int8 form (`held`) for adapters trained on an int8 base."""
 
   def __init__(self, load: Callable[[], dict]):
     self._load, self._base, self._fp = load, None, None
+    self._int8, self._int8_fp = None, None
 
   @property
   def params(self) -> dict:
@@ -185,6 +201,15 @@ class BaseLoader:
       self._fp = base_fingerprint(self.params)
     return self._fp
 
+  def for_adapters(self, lcfg: lora.LoraConfig) -> tuple[dict, str]:
+    """(base params, fingerprint) as adapters of `lcfg` were trained on them."""
+    if not lcfg.int8_base:
+      return self.params, self.fingerprint
+    if self._int8 is None:
+      self._int8 = held(self.params, lcfg)
+      self._int8_fp = base_fingerprint(self._int8)
+    return self._int8, self._int8_fp
+
 
 def restore_policy(workdir, phase: str, step: int, abstract: Any, cfg: ModelConfig,
                    base: BaseLoader, mesh) -> dict:
@@ -196,13 +221,14 @@ def restore_policy(workdir, phase: str, step: int, abstract: Any, cfg: ModelConf
   if lcfg is None:
     return layout.restore_params(workdir, phase, step, abstract)
   saved = meta.get(BASE_FINGERPRINT_KEY)
-  if saved != base.fingerprint:
+  params, fingerprint = base.for_adapters(lcfg)
+  if saved != fingerprint:
     raise IncompatibleCheckpointError(
         f"{pathlib.Path(workdir)} ({phase} step {step}) holds LoRA adapters of another base: saved "
-        f"{BASE_FINGERPRINT_KEY} {saved!r}, the evaluated model's {base.fingerprint!r}; evaluate "
+        f"{BASE_FINGERPRINT_KEY} {saved!r}, the evaluated model's {fingerprint!r}; evaluate "
         "with the config.model.path (and config.model.init_from) the run was trained with")
   adapters = layout.restore_params(workdir, phase, step, abstract_adapters(cfg, lcfg, mesh))
-  return lora.attach(base.params, adapters, lcfg)
+  return lora.attach(params, adapters, lcfg)
 
 
 def base_loader(init_from: str, policy_params: Callable[[], dict], abstract: Any) -> BaseLoader:

@@ -586,11 +586,13 @@ def model_config(config) -> ModelSection:
 def _lora(section) -> LoraConfig:
   """config.model.lora as a LoraConfig: targets a comma-separated string of projection names
   (the rank's bound, the matrices' sizes, is checked when the model is known: `check`)."""
-  fields = {"rank": int, "alpha": float, "dropout": float, "targets": str}
+  fields = {"rank": int, "alpha": float, "dropout": float, "targets": str, "base_dtype": str}
   items = dict(section.items())
   reject_unknown(items, list(fields), "model.lora")
   values = {}
   for key, kind in fields.items():
+    if key == "base_dtype" and key not in items:   # configs pinned before it existed
+      continue
     if key not in items:
       raise ConfigError(f"config.model.lora.{key} is missing; add it to the config ({_DEFAULTS})")
     values[key] = _check("model.lora", key, items[key], kind)

@@ -43,9 +43,20 @@ def _free(key: str) -> bool:
   return any(key == f or (f.endswith(".") and key.startswith(f)) for f in FREE)
 
 
+# Keys added after runs were pinned, with the value that behaves as those runs did: a config
+# pinned without the key equals one with this value (resuming such a workdir is not a change).
+ADDED = {"model.lora.base_dtype": "float"}
+
+
 def config_diff(old: dict, new: dict) -> dict[str, tuple]:
-  """{key: (old value, new value)} of every key that differs (missing: None)."""
+  """{key: (old value, new value)} of every key that differs (missing: None; a missing `ADDED`
+  key: its value there)."""
   a, b = flatten(old), flatten(new)
+  for key, value in ADDED.items():
+    section = key.rsplit(".", 1)[0] + "."
+    if any(k.startswith(section) for k in (*a, *b)):     # only where its section exists
+      a.setdefault(key, value)
+      b.setdefault(key, value)
   return {k: (a.get(k), b.get(k)) for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)}
 
 

@@ -88,6 +88,21 @@ def test_pinned_config_refuses_a_changed_key_and_records_allowed_changes(tmp_pat
   assert len((tmp_path / CHANGES_FILE).read_text().splitlines()) == 2
 
 
+def test_pinned_before_a_key_was_added(tmp_path):
+  """A workdir pinned before config.model.lora.base_dtype existed resumes with its default
+  ("float"), and is refused, naming the key, with "int8"."""
+  c = get_config("smoke")
+  pin_config(c, tmp_path)
+  old = json.loads((tmp_path / "config.json").read_text())
+  del old["model"]["lora"]["base_dtype"]
+  (tmp_path / "config.json").write_text(json.dumps(old))
+  assert pin_config(c, tmp_path) == {}
+  c.model.lora.rank, c.model.lora.base_dtype = 0, "int8"
+  with pytest.raises(sections.ConfigError, match=r"config\.model\.lora\.base_dtype: 'float' -> "
+                     "'int8'"):
+    pin_config(c, tmp_path)
+
+
 @pytest.mark.parametrize("key, value, message", [
     ("sft.batch_size", 0, "config.sft.batch_size must be >= 1, got 0"),
     ("sft.steps", -3, "config.sft.steps must be >= 0, got -3"),
