@@ -5,9 +5,9 @@
     adapter_optimizer_bytes(...)     # AdamW's state of the adapters only
     dequant_bytes(cfg, mesh)         # the int8 base's dequantised matrices alive at once
 
-Per device, with the project's sharding rules (`memory.local_elements`), from the same trees
-the trainer builds: `lora.adapter_shapes` / `lora.logical_axes` for the adapters, the decoder's
-parameter tree and axes for the base, with `quant`'s layout for an int8 base (each quantised
+Per device, with the project's sharding rules (`sharding.mesh.local_elements`), from the same
+trees the trainer builds: `lora.adapter_shapes` / `lora.logical_axes` for the adapters, the
+decoder's parameter tree and axes for the base, with `quant`'s layout for an int8 base (each quantised
 matrix: 1 byte per element + a float32 scale per output channel, the scale sharded like the
 matrix on its output dims).
 """
@@ -20,11 +20,7 @@ import jax.numpy as jnp
 from jaxagent.learners.update import make_optimizer
 from jaxagent.models import decoder, lora, quant
 from jaxagent.models.config import ModelConfig
-
-
-def _local(axes, shape, mesh) -> int:
-  from jaxagent.planning.memory import local_elements     # memory imports this module
-  return local_elements(axes, shape, mesh)
+from jaxagent.sharding.mesh import local_elements
 
 
 def _quantised_input_axes(path: tuple[str, ...]):
@@ -50,11 +46,12 @@ def base_bytes(cfg: ModelConfig, mesh, lcfg: lora.LoraConfig | None) -> int:
       axes = axes[k]
     ins = _quantised_input_axes(keys) if int8 else None
     if ins is None:
-      total += _local(axes, leaf.shape, mesh) * jnp.dtype(leaf.dtype).itemsize
+      total += local_elements(axes, leaf.shape, mesh) * jnp.dtype(leaf.dtype).itemsize
       continue
     scale_shape = tuple(1 if i in ins else s for i, s in enumerate(leaf.shape))
     scale_axes = tuple(None if i in ins else a for i, a in enumerate(axes))
-    total += _local(axes, leaf.shape, mesh) + 4 * _local(scale_axes, scale_shape, mesh)
+    total += (local_elements(axes, leaf.shape, mesh)
+              + 4 * local_elements(scale_axes, scale_shape, mesh))
   return total
 
 
@@ -70,7 +67,7 @@ def adapter_bytes(cfg: ModelConfig, lcfg: lora.LoraConfig, mesh) -> int:
   shapes, axes = _adapter_tree(cfg, lcfg)
   leaves = jax.tree.leaves(shapes)
   axes_leaves = jax.tree.leaves(axes, is_leaf=lambda x: isinstance(x, tuple))
-  return sum(_local(a, s.shape, mesh) * 4 for s, a in zip(leaves, axes_leaves))
+  return sum(local_elements(a, s.shape, mesh) * 4 for s, a in zip(leaves, axes_leaves))
 
 
 def adapter_optimizer_bytes(cfg: ModelConfig, lcfg: lora.LoraConfig, mesh) -> int:
@@ -86,7 +83,7 @@ def adapter_optimizer_bytes(cfg: ModelConfig, lcfg: lora.LoraConfig, mesh) -> in
     keys = [k.key for k in path if isinstance(k, jax.tree_util.DictKey)]
     hit = axes.get(keys[-2], {}).get(keys[-1]) if len(keys) >= 2 else None
     leaf_axes = hit if hit is not None and len(hit) == leaf.ndim else (None,) * leaf.ndim
-    total += _local(leaf_axes, leaf.shape, mesh) * jnp.dtype(leaf.dtype).itemsize
+    total += local_elements(leaf_axes, leaf.shape, mesh) * jnp.dtype(leaf.dtype).itemsize
   return total
 
 
@@ -96,8 +93,8 @@ def dequant_bytes(cfg: ModelConfig, mesh) -> int:
   update's compiled memory on builtin:micro/tiny) + one layer's largest matrix [D, F] (fused
   into its product on CPU; counted as the bound where a backend does not fuse it)."""
   c = cfg.jnp_dtype.itemsize
-  unembed = _local(("vocab", "embed"), (cfg.vocab_size, cfg.hidden_size), mesh)
-  layer = _local(("embed", "mlp"), (cfg.hidden_size, cfg.intermediate_size), mesh)
+  unembed = local_elements(("vocab", "embed"), (cfg.vocab_size, cfg.hidden_size), mesh)
+  layer = local_elements(("embed", "mlp"), (cfg.hidden_size, cfg.intermediate_size), mesh)
   return c * (unembed + layer)
 
 
@@ -110,7 +107,6 @@ def unsaved_bytes(cfg: ModelConfig, mesh, lcfg: lora.LoraConfig, minibatch: int,
   o_proj's weight gradient), c * loc(M, S, H, hd) per saved layer."""
   if remat:                                 # an estimate already: left as full fine-tuning's
     return 0
-  from jaxagent.planning.memory import local_elements
   mlp = any(t in lora.MLP_TARGETS for t in lcfg.targets)
   saved_layers = cfg.num_layers + (1 if mlp else 0)
   out = 0 if mlp else layer

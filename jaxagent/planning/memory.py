@@ -97,7 +97,6 @@ computes bfloat16 in float32). Not covered: the SFT phase (`sft.batch_size` x
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any, Mapping
 
 import jax
@@ -115,7 +114,7 @@ from jaxagent.models.sampler import PREFILL_CHUNK, chunk_width
 from jaxagent.rollout.api import default_context_len
 from jaxagent.rollout.budget import Budget
 from jaxagent.runs import config as sections
-from jaxagent.sharding.mesh import MESH_AXES, logical_to_spec, mesh_sizes
+from jaxagent.sharding.mesh import MESH_AXES, local_elements, mesh_sizes
 
 GIB = 1 << 30
 OPTIMIZERS = ("adamw", "none")
@@ -132,17 +131,6 @@ def abstract_mesh(mesh_shape: Mapping[str, int]) -> AbstractMesh:
     raise ValueError(f"mesh shape {dict(mesh_shape)}: sizes must be >= 1 here (resolve -1 with "
                      "jaxagent.sharding.mesh_sizes(shape, num_devices) first)")
   return AbstractMesh(sizes, MESH_AXES)
-
-
-def local_elements(axes, shape, mesh) -> int:
-  """Elements of a global `shape` with logical `axes` held by one device under the rules."""
-  spec = logical_to_spec(axes, shape, mesh)
-  div = 1
-  for entry in spec:
-    for name in (entry if isinstance(entry, tuple) else (entry,)):
-      if name is not None:
-        div *= mesh.shape[name]
-  return math.prod(shape) // div
 
 
 def _tree_local_bytes(shapes, axes_of, mesh) -> int:

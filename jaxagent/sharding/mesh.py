@@ -100,6 +100,18 @@ def logical_to_spec(axes: Sequence[str | None], shape: Sequence[int], mesh: Mesh
   return P(*spec)
 
 
+
+def local_elements(axes, shape, mesh) -> int:
+  """Elements of a global `shape` with logical `axes` held by one device under the rules
+  (the memory planner's unit: `logical_to_spec` picks the mesh axes that divide it)."""
+  spec = logical_to_spec(axes, shape, mesh)
+  div = 1
+  for entry in spec:
+    for name in (entry if isinstance(entry, tuple) else (entry,)):
+      if name is not None:
+        div *= mesh.shape[name]
+  return math.prod(shape) // div
+
 def tree_shardings(axes_tree, shapes_tree, mesh: Mesh, rules=RULES):
   """NamedSharding for every leaf, from parallel trees of logical axes and shapes."""
   return jax.tree.map(
