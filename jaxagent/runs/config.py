@@ -633,12 +633,12 @@ def check_env(config) -> None:
     envs.resolve(name)
   except ValueError as e:
     raise ConfigError(f"config.env.name={name!r} is not an environment: {e}") from e
-  knobs = getattr(config.env, "difficulty", None) or {}
-  clash = sorted(set(dict(knobs)) & set(pipeline_arguments()))
+  knobs, reserved = getattr(config.env, "difficulty", None) or {}, pipeline_arguments()
+  clash = sorted(set(dict(knobs)) & set(reserved))
   _require(not clash,
            f"config.env.difficulty has the knob(s) {', '.join(map(repr, clash))}, which the "
            "task splits and demonstrations take as their own arguments (passed beside the "
-           f"environment's knobs: {', '.join(pipeline_arguments())}); rename the knob in "
+           f"environment's knobs: {', '.join(reserved)}); rename the knob in "
            f"{name}'s constructor (e.g. 'db_seed', as envs/sql does, or 'max_moves')")
 
 

@@ -73,6 +73,10 @@ def _authorize(action, arg1, arg2, db_name, trigger):
   return sqlite3.SQLITE_DENY
 
 
+# The progress handler runs every this many SQLite VM steps and counts one call.
+_STEPS_PER_CALL = 1000
+
+
 def _lower_heap_limit(conn: sqlite3.Connection, limit: int) -> None:
   with _HEAP_LOCK:
     current = conn.execute("PRAGMA hard_heap_limit").fetchone()[0]
@@ -94,13 +98,12 @@ def connect(path: str | pathlib.Path, limits: Limits) -> tuple[sqlite3.Connectio
   _lower_heap_limit(conn, limits.heap_bytes)
   conn.set_authorizer(_authorize)
   calls = [0]
-  per_call = 1000
 
   def progress():
     calls[0] += 1
-    return calls[0] * per_call > limits.steps   # nonzero: SQLite stops the query
+    return calls[0] * _STEPS_PER_CALL > limits.steps   # nonzero: SQLite stops the query
 
-  conn.set_progress_handler(progress, per_call)
+  conn.set_progress_handler(progress, _STEPS_PER_CALL)
   return conn, calls
 
 
@@ -114,7 +117,7 @@ def _error_text(e: BaseException, calls: list, limits: Limits) -> str:
   msg = str(e) or type(e).__name__
   if isinstance(e, MemoryError):
     return "out of memory: the query needs too much memory; select fewer or smaller rows"
-  if msg == "interrupted" and calls[0] * 1000 > limits.steps:
+  if msg == "interrupted" and calls[0] * _STEPS_PER_CALL > limits.steps:
     return (f"interrupted: the query ran past the limit of {limits.steps} steps; "
             "add a condition or a LIMIT")
   if msg.startswith("not authorized"):
