@@ -334,7 +334,7 @@ def _start_params(cfg: sections.RunConfig, policy: Policy):
       params = adapters.init_adapters(policy.config, lcfg, jax.random.key(cfg.run.seed + 4),
                                       policy.mesh)
     frozen = adapters.FrozenBase(lcfg, base)
-    if lcfg.int8_base:           # the float weights are not kept beside the int8 base
+    if lcfg.quantized_base:      # the float weights are not kept beside the quantised base
       policy.params = base
     logging.info("LoRA rank %d on %s: base %s%s", lcfg.rank, ",".join(lcfg.targets),
                  frozen.fingerprint, f" (from {init_from})" if init_from else "")

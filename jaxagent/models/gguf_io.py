@@ -371,6 +371,22 @@ def load_params(path: pathlib.Path, cfg: ModelConfig, shardings=None,
     allow_nonfinite: load NaN/Inf weights with a warning naming them, instead of raising.
   """
   f = f or GGUFFile(path)
+  by_hf, entries = checked_tensors(path, cfg, f)
+  # Each tensor is dequantised once; an entry's layers stay cached while its shards are read
+  # (at most num_layers tensors: the previous entry's are evicted as the next one's arrive).
+  dequantised = functools.lru_cache(maxsize=cfg.num_layers)(
+      lambda name: dequantise(f, by_hf[name], name, cfg))
+  check = hf_io.FiniteCheck(cfg, dequantised, lambda name: f"{path}: tensor {by_hf[name].name!r}",
+                            allow_nonfinite, fix="re-download or re-convert them")
+  params = hf_io.place_params(cfg, shardings, entries, dequantised, check)
+  dequantised.cache_clear()
+  check.warn(path)
+  return params
+
+
+def checked_tensors(path: pathlib.Path, cfg: ModelConfig, f: GGUFFile):
+  """(the file's tensors by HF name, `hf_io.named_entries(cfg)`), after validating every name,
+  type and shape against the model `cfg` (CheckpointErrors naming the tensor and the fix)."""
   gguf = _gguf()
   supported = _supported_types(gguf)
   by_hf: dict[str, Any] = {}
@@ -412,27 +428,22 @@ def load_params(path: pathlib.Path, cfg: ModelConfig, shardings=None,
         f"metadata describes ({cfg.num_layers} layers, attention bias {cfg.qkv_bias}, "
         f"tied embeddings {cfg.tie_word_embeddings}); the file is damaged or of an unsupported "
         "variant")
+  return by_hf, entries
 
-  permute = {}
+
+def row_permutation(name: str, cfg: ModelConfig) -> int | None:
+  """The head count n whose Q/K row permutation HF tensor `name` carries (llama), else None."""
   if cfg.model_type == "llama":
-    permute = {"self_attn.q_proj": cfg.num_heads, "self_attn.k_proj": cfg.num_kv_heads}
+    if ".self_attn.q_proj." in name:
+      return cfg.num_heads
+    if ".self_attn.k_proj." in name:
+      return cfg.num_kv_heads
+  return None
 
-  # Each tensor is dequantised once; an entry's layers stay cached while its shards are read
-  # (at most num_layers tensors: the previous entry's are evicted as the next one's arrive).
-  @functools.lru_cache(maxsize=cfg.num_layers)
-  def dequantised(name: str) -> np.ndarray:
-    """The HF-layout float32 tensor `name`."""
-    t = by_hf[name]
-    x = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), np.float32)
-    x = x.reshape(f.hf_shape(t))
-    for key, n in permute.items():
-      if f".{key}." in name:
-        x = _unpermute(x, n)
-    return x
 
-  check = hf_io.FiniteCheck(cfg, dequantised, lambda name: f"{path}: tensor {by_hf[name].name!r}",
-                            allow_nonfinite, fix="re-download or re-convert them")
-  params = hf_io.place_params(cfg, shardings, entries, dequantised, check)
-  dequantised.cache_clear()
-  check.warn(path)
-  return params
+def dequantise(f: GGUFFile, t, name: str, cfg: ModelConfig) -> np.ndarray:
+  """The HF-layout float32 tensor of reader tensor `t` (HF name `name`), rows un-permuted."""
+  x = np.asarray(_gguf().quants.dequantize(t.data, t.tensor_type), np.float32)
+  x = x.reshape(f.hf_shape(t))
+  n = row_permutation(name, cfg)
+  return x if n is None else _unpermute(x, n)

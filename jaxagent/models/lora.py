@@ -48,8 +48,9 @@ class LoraConfig:
   alpha: float = 16.0
   dropout: float = 0.0             # on the adapter's input, training forwards only
   targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
-  # How the frozen base is held: "float" (as loaded) or "int8" (`jaxagent.models.quant`: int8
-  # matrices with per-output-channel scales, dequantised per product inside the forward).
+  # How the frozen base is held: "float" (as loaded), "int8" (`jaxagent.models.quant`: int8
+  # matrices with per-output-channel scales, dequantised per product inside the forward) or
+  # "gguf" (a .gguf file's matrices in its own block formats: `jaxagent.models.gguf_base`).
   base_dtype: str = "float"
 
   def __post_init__(self):
@@ -79,6 +80,15 @@ class LoraConfig:
   @property
   def int8_base(self) -> bool:
     return self.enabled and self.base_dtype == "int8"
+
+  @property
+  def gguf_base(self) -> bool:
+    return self.enabled and self.base_dtype == "gguf"
+
+  @property
+  def quantized_base(self) -> bool:
+    """The base is held quantised (int8 or GGUF blocks), dequantised per product."""
+    return self.int8_base or self.gguf_base
 
   @property
   def scale(self) -> float:
@@ -199,12 +209,14 @@ def merge(params: dict) -> dict:
   out = {k: v for k, v in layers.items() if k != "lora"}
   for name, ad in layers["lora"].items():
     w = layers[name]
-    if not hasattr(w, "dtype"):            # a `quant.QTensor`: no full-precision copy here
+    if not hasattr(w, "dtype"):   # a `quant.QTensor` or GGUF `blocks.BlockTensor`: not float
+      kind = "GGUF block" if hasattr(w, "kind") else "int8"
+      dtype = "gguf" if hasattr(w, "kind") else "int8"
       raise ValueError(
-          f"cannot merge adapters into the int8 base's {name} (config.model.lora.base_dtype="
-          "'int8' holds no full-precision copy): merge onto the original weights (load "
+          f"cannot merge adapters into the {kind} base's {name} (config.model.lora.base_dtype="
+          f"'{dtype}' holds no full-precision copy): merge onto the original weights (load "
           "config.model.path again, e.g. jaxagent.models.from_pretrained(path).params, and pass "
-          "them as the base), or dequantise the int8 base first "
+          f"them as the base), or dequantise the {kind} base first "
           "(jaxagent.models.quant.dequantize_params: the model exactly as trained)")
     a = ad.a.astype(jnp.float32).reshape(ad.a.shape[0], -1, ad.a.shape[-1])   # [n, in, r]
     b = ad.b.astype(jnp.float32).reshape(ad.b.shape[0], ad.b.shape[1], -1)    # [n, r, out]

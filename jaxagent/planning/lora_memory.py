@@ -1,6 +1,7 @@
 """What LoRA changes in the memory plan: the adapters, their optimizer state, and an int8 base.
 
     base_bytes(cfg, mesh, lcfg)      # the frozen base in its storage dtype (int8 + scales, or p)
+    base_bytes(cfg, mesh, lcfg, formats=gguf_base.formats(path, cfg))   # GGUF blocks
     adapter_bytes(cfg, lcfg, mesh)   # float32 adapters (= their gradients)
     adapter_optimizer_bytes(...)     # AdamW's state of the adapters only
     dequant_bytes(cfg, mesh)         # the int8 base's dequantised matrices alive at once
@@ -9,16 +10,21 @@ Per device, with the project's sharding rules (`sharding.mesh.local_elements`), 
 trees the trainer builds: `lora.adapter_shapes` / `lora.logical_axes` for the adapters, the
 decoder's parameter tree and axes for the base, with `quant`'s layout for an int8 base (each quantised
 matrix: 1 byte per element + a float32 scale per output channel, the scale sharded like the
-matrix on its output dims).
+matrix on its output dims). A GGUF block base (base_dtype "gguf") counts each matrix in the
+format `gguf_base.formats` reads from the file's header: its block type's bytes per weight
+(`blocks.BLOCK_BYTES`: 34/32 Q8_0, 18/32 Q4_0, 20/32 Q4_1), or int8 + scales where it falls
+back; its matrices are whole on every device (`gguf_base` places them unsharded).
 """
 
 from __future__ import annotations
+
+import math
 
 import jax
 import jax.numpy as jnp
 
 from jaxagent.learners.update import make_optimizer
-from jaxagent.models import decoder, lora, quant
+from jaxagent.models import blocks, decoder, lora, quant
 from jaxagent.models.config import ModelConfig
 from jaxagent.sharding.mesh import local_elements
 
@@ -32,19 +38,33 @@ def _quantised_input_axes(path: tuple[str, ...]):
   return None
 
 
-def base_bytes(cfg: ModelConfig, mesh, lcfg: lora.LoraConfig | None) -> int:
+def base_bytes(cfg: ModelConfig, mesh, lcfg: lora.LoraConfig | None,
+               formats: dict | None = None) -> int:
   """Per-device bytes of the frozen base as it is held: int8 matrices + float32 scales (and the
-  rest in the param dtype) with lcfg.base_dtype "int8", else every param in the param dtype."""
+  rest in the param dtype) with lcfg.base_dtype "int8"; with "gguf" each matrix in its format of
+  `formats` ({param path: "Q8_0" / "Q4_0" / "Q4_1" / "int8"}, `gguf_base.formats`); else every
+  param in the param dtype."""
   state, shapes = decoder.abstract_params(cfg)
   axes_tree = decoder.logical_axes(cfg)
   int8 = lcfg is not None and lcfg.int8_base
+  gguf = lcfg is not None and lcfg.gguf_base
+  if gguf and formats is None:
+    raise ValueError("a plan of config.model.lora.base_dtype='gguf' needs the file's matrix "
+                     "formats: pass base_formats=jaxagent.models.gguf_base.formats(path, cfg) "
+                     "(plan_for_config reads them from config.model.path)")
   total = 0
   for path, leaf in jax.tree_util.tree_flatten_with_path(shapes)[0]:
     keys = tuple(k.key for k in path)
     axes = axes_tree
     for k in keys:
       axes = axes[k]
-    ins = _quantised_input_axes(keys) if int8 else None
+    kind = formats.get(keys) if gguf else None
+    if kind in blocks.FORMATS:                 # whole on each device (`gguf_base`)
+      total += blocks.block_bytes(kind, math.prod(leaf.shape))
+      continue
+    if kind is not None:                       # the int8 fallback, whole on each device
+      axes = (None,) * len(leaf.shape)
+    ins = _quantised_input_axes(keys) if int8 or kind is not None else None
     if ins is None:
       total += local_elements(axes, leaf.shape, mesh) * jnp.dtype(leaf.dtype).itemsize
       continue
@@ -88,7 +108,7 @@ def adapter_optimizer_bytes(cfg: ModelConfig, lcfg: lora.LoraConfig, mesh) -> in
 
 
 def dequant_bytes(cfg: ModelConfig, mesh) -> int:
-  """An int8 base's dequantised matrices alive at once, in the compute dtype: the unembedding
+  """An int8 (or GGUF block) base's dequantised matrices alive at once, in the compute dtype: the unembedding
   [V, D] (XLA:CPU materialised it; it measured the whole difference from a float base in the
   update's compiled memory on builtin:micro/tiny) + one layer's largest matrix [D, F] (fused
   into its product on CPU; counted as the bound where a backend does not fuse it)."""

@@ -77,13 +77,14 @@ dequant; reference pass ("host" only) = params + layer(S, S) + 16*loc(G, chunk, 
 total = persistent + max(rollout, update, reference pass).
 
 With LoRA (`lora`, rank > 0; `lora_memory`): params = the frozen base in its storage dtype
-(base_dtype "int8": 1 byte per quantised element + a float32 scale per output channel); adapters
+(base_dtype "int8": 1 byte per quantised element + a float32 scale per output channel; "gguf":
+each matrix in the file's block format, e.g. 20/32 bytes per weight for Q4_1, unsharded); adapters
 = the float32 adapters; gradients = adapters; optimizer = AdamW's moments of the adapters only;
 reference = a frozen copy of the starting adapters when there is a KL term (the base with
 adapters off is the reference: no second base, on the device or the host); activations as for
 full fine-tuning, less what no weight gradient needs (`lora_memory.unsaved_bytes`: one layer
 when no MLP projection has an adapter, the attention output when o_proj has none; fitted to
-XLA's compiled memory on builtin micro/tiny, S = 64-256); dequant (int8 base only) = the
+XLA's compiled memory on builtin micro/tiny, S = 64-256); dequant (int8 or gguf base) = the
 unembedding matrix and one layer's [D, F] matrix dequantised in the compute dtype.
 
 This is an estimate of live buffers, not of XLA's allocator: fusion, layout padding and
@@ -105,11 +106,11 @@ from jax.sharding import AbstractMesh
 
 import jaxagent.envs as envs
 from jaxagent.learners.update import LearnerConfig, make_optimizer
-from jaxagent.models import decoder, gguf_io, hf_io
+from jaxagent.models import decoder, gguf_base, gguf_io, hf_io
 from jaxagent.models.config import ModelConfig
 from jaxagent.models.lora import LoraConfig
 from jaxagent.planning import lora_memory
-from jaxagent.models.policy import load_config_and_tokenizer, resolve_path
+from jaxagent.models.policy import gguf_base_needs_gguf, load_config_and_tokenizer, resolve_path
 from jaxagent.models.sampler import PREFILL_CHUNK, chunk_width
 from jaxagent.rollout.api import default_context_len
 from jaxagent.rollout.budget import Budget
@@ -364,7 +365,8 @@ def plan(model_cfg: ModelConfig, mesh_shape: Mapping[str, int], *, param_dtype: 
          batch_per_device: int | None = None, global_batch: int | None = None,
          seq_len: int, prefill_len: int | None = None, remat: bool = False,
          reference_policy: str = "none", minibatches: int = 1,
-         logprob_chunk: int = 128, lora: LoraConfig | None = None) -> MemoryPlan:
+         logprob_chunk: int = 128, lora: LoraConfig | None = None,
+         base_formats: dict | None = None) -> MemoryPlan:
   """Bytes per device of an RL step (rollout + update) of `model_cfg` on a mesh.
 
   Args:
@@ -380,8 +382,11 @@ def plan(model_cfg: ModelConfig, mesh_shape: Mapping[str, int], *, param_dtype: 
     reference_policy: "none", "device" (a second params copy on device) or "host".
     minibatches: the learner's minibatches per pass (activations are per minibatch).
     logprob_chunk: the learner's sequence chunk of the log-softmax.
-    lora: adapters on a frozen base (rank > 0; its base_dtype "int8" for an int8 base): only
-      they are trained, and the KL reference costs no second base (module docstring).
+    lora: adapters on a frozen base (rank > 0; its base_dtype "int8" for an int8 base, "gguf"
+      for a GGUF file's blocks): only they are trained, and the KL reference costs no second
+      base (module docstring).
+    base_formats: with base_dtype "gguf", each matrix's format in the file
+      (`gguf_base.formats(path, cfg)`; `plan_for_config` reads it from config.model.path).
   """
   if optimizer not in OPTIMIZERS:
     raise ValueError(f"optimizer {optimizer!r} unknown; use one of {OPTIMIZERS}")
@@ -426,13 +431,13 @@ def plan(model_cfg: ModelConfig, mesh_shape: Mapping[str, int], *, param_dtype: 
     grads = params if optimizer != "none" else 0
   else:
     lcfg.check(cfg)
-    params = lora_memory.base_bytes(cfg, mesh, lcfg)
+    params = lora_memory.base_bytes(cfg, mesh, lcfg, base_formats)
     adapters = lora_memory.adapter_bytes(cfg, lcfg, mesh)
     opt = lora_memory.adapter_optimizer_bytes(cfg, lcfg, mesh) if optimizer != "none" else 0
     grads = adapters if optimizer != "none" else 0
     acts -= lora_memory.unsaved_bytes(cfg, mesh, lcfg, mb, seq_len, remat,
                                       _layer_bytes(cfg, mesh, mb, seq_len, seq_len))
-    dequant = lora_memory.dequant_bytes(cfg, mesh) if lcfg.int8_base else 0
+    dequant = lora_memory.dequant_bytes(cfg, mesh) if lcfg.quantized_base else 0
   tok_g = local_elements(("batch", None), (g, seq_len), mesh)
   tok_mb = local_elements(("batch", None), (mb, seq_len), mesh)
   trajectory = _TRAJECTORY_BYTES * tok_g
@@ -615,6 +620,13 @@ def plan_for_config(config, num_devices: int | None = None, *, context_len: int 
   else:
     reference_policy = "host" if config.rl.reference_on_host else "device"
   lcfg = sections.model_config(config).lora if "lora" in config.model else None
+  formats = None
+  if lcfg is not None and lcfg.gguf_base:
+    root = resolve_path(config.model.path)
+    if not gguf_io.is_gguf(root):
+      raise sections.ConfigError(gguf_base_needs_gguf(config.model.path))
+    formats = gguf_base.formats(root, cfg)
   return plan(cfg, sizes, global_batch=config.rl.num_tasks * config.rl.group_size,
               seq_len=context_len, prefill_len=prompt_len, minibatches=learner.minibatches,
-              logprob_chunk=learner.logprob_chunk, reference_policy=reference_policy, lora=lcfg)
+              logprob_chunk=learner.logprob_chunk, reference_policy=reference_policy, lora=lcfg,
+              base_formats=formats)

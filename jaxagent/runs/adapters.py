@@ -20,6 +20,9 @@ weights and those adapters are where training starts.
 With config.model.lora.base_dtype="int8" the base is held as `quant.quantize_params` makes it
 (`held`), in training and in evaluation alike; its fingerprint is that of the int8 weights the
 adapters were trained on (so adapters of the int8 base are refused on the float base and back).
+With base_dtype="gguf" the policy is loaded in the .gguf file's blocks (`setup.load_policy`,
+`gguf_base`) and is the base as it is; a float base (a full checkpoint of init_from, or an
+evaluating config with another base_dtype) is refused naming the fix.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxagent.checkpoint import Checkpointer, IncompatibleCheckpointError
-from jaxagent.models import lora, quant
+from jaxagent.models import gguf_base, lora, quant
 from jaxagent.models.config import ModelConfig
 from jaxagent.models.lora_io import BASE_FINGERPRINT_KEY, base_fingerprint
 from jaxagent.runs import layout
@@ -59,7 +62,16 @@ def config_from_meta(meta: dict) -> lora.LoraConfig | None:
 
 def held(params: dict, lcfg: lora.LoraConfig) -> dict:
   """The base as a LoRA run holds it: int8 (`quant.quantize_params`) with base_dtype "int8",
-  else as it is."""
+  GGUF blocks with "gguf" (loaded so: `setup.load_policy`; float params are refused), else as it
+  is."""
+  if lcfg.gguf_base:
+    if not gguf_base.is_block_base(params):
+      raise ValueError(
+          "config.model.lora.base_dtype='gguf': the base must be config.model.path's .gguf file "
+          "loaded in its blocks (with config.model.lora.base_dtype='gguf' and rank > 0 in the "
+          "config that loads it), not float weights such as a full checkpoint of "
+          "config.model.init_from; use config.model.lora.base_dtype='int8' for those")
+    return params
   return quant.quantize_params(params) if lcfg.int8_base else params
 
 
@@ -203,6 +215,8 @@ class BaseLoader:
 
   def for_adapters(self, lcfg: lora.LoraConfig) -> tuple[dict, str]:
     """(base params, fingerprint) as adapters of `lcfg` were trained on them."""
+    if lcfg.gguf_base:                # the file's blocks, as loaded (else refused, naming the fix)
+      return held(self.params, lcfg), self.fingerprint
     if not lcfg.int8_base:
       return self.params, self.fingerprint
     if self._int8 is None:

@@ -18,8 +18,8 @@ from jax.experimental import multihost_utils
 import jaxagent.envs as envs
 from jaxagent.data import demos as demo_data
 from jaxagent.data import tasks as task_data
-from jaxagent.models import ModelConfig, Policy, attention, from_pretrained
-from jaxagent.models.policy import load_config_and_tokenizer
+from jaxagent.models import ModelConfig, Policy, attention, from_pretrained, gguf_io
+from jaxagent.models.policy import gguf_base_needs_gguf, load_config_and_tokenizer, resolve_path
 from jaxagent.rollout.api import max_transcript_len
 from jaxagent.runs import layout
 from jaxagent.runs.config import ConfigError, DataConfig, EnvConfig, rl_config
@@ -39,7 +39,19 @@ def load_policy(config: ml_collections.ConfigDict) -> Policy:
   return from_pretrained(config.model.path, dtype=config.model.dtype, mesh=mesh,
                          param_dtype=config.model.param_dtype,
                          allow_nonfinite=config.model.allow_nonfinite_weights,
-                         attention=config.model.get("attention") or None)
+                         attention=config.model.get("attention") or None,
+                         gguf_blocks=gguf_blocks(config))
+
+
+def gguf_blocks(config) -> bool:
+  """Whether the config holds its LoRA base in a GGUF file's blocks (config.model.lora.base_dtype
+  "gguf" with rank > 0); ConfigError naming the fix when config.model.path is no .gguf file."""
+  lora = config.model.get("lora")
+  if lora is None or not lora.get("rank") or lora.get("base_dtype") != "gguf":
+    return False
+  if not gguf_io.is_gguf(resolve_path(config.model.path)):
+    raise ConfigError(gguf_base_needs_gguf(config.model.path))
+  return True
 
 
 def config_devices(config) -> list:
@@ -59,6 +71,7 @@ def preflight(config) -> None:
   the RL budget's rollouts fit the model's context (`check_context`)."""
   config_devices(config)
   model_config, tokenizer = load_skeleton(config)     # a mistyped model path raises here
+  gguf_blocks(config)                                 # base_dtype "gguf" on a non-GGUF path
   attention.kernel_enabled(model_config.attention)    # "kernel" without a compiler raises here
   if config.rl.steps > 0:
     c = rl_config(config)

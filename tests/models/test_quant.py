@@ -167,7 +167,7 @@ def test_export_with_an_int8_base(tmp_path):
 
 
 def test_bad_base_dtype_is_refused():
-  with pytest.raises(ValueError, match=r"base_dtype='int4'.*\('float', 'int8'\)"):
+  with pytest.raises(ValueError, match=r"base_dtype='int4'.*\('float', 'int8', 'gguf'\)"):
     lora.LoraConfig(rank=4, base_dtype="int4")
   with pytest.raises(ValueError, match=r"needs adapters.*rank > 0"):
     lora.LoraConfig(rank=0, base_dtype="int8")
