@@ -35,8 +35,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # Low-rank adapters (jaxagent.models.lora): rank 0 = off (full fine-tuning); else only the
   # adapters on `targets` (comma-separated, of q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,
   # down_proj) train, scaled by alpha / rank, with dropout on their inputs while training.
-  # base_dtype: the frozen base "float" (as loaded) or "int8" (QLoRA-style: int8 matrices with
-  # per-output-channel scales, dequantised per product; ~1/4 of float32's bytes).
+  # base_dtype: the frozen base "float" (as loaded), "int8" (QLoRA-style: int8 matrices with
+  # per-output-channel scales, dequantised per product; ~1/4 of float32's bytes) or "gguf" (a
+  # .gguf model.path's Q8_0/Q4_0/Q4_1 matrices kept in the file's blocks, dequantised per
+  # product, exactly the file's values; 34/32, 18/32, 20/32 bytes per weight; other types int8).
   c.model.lora = ml_collections.ConfigDict(
       {"rank": 0, "alpha": 16.0, "dropout": 0.0, "targets": "q_proj,k_proj,v_proj,o_proj",
        "base_dtype": "float"})

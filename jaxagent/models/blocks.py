@@ -64,13 +64,13 @@ class BlockTensor:
   def ndim(self) -> int:
     return len(self.shape)
 
-  def dequantize(self, dtype=jnp.float32) -> jax.Array:
+  def dequantize(self, dtype=jnp.float32, file_order: bool = False) -> jax.Array:
     """The matrix in our layout in `dtype` (all of it: per layer inside the scan, whole for
-    export and tests)."""
+    export and tests); with `file_order` as [..., *outs, *ins] (the file's, untransposed)."""
     w = dequant_rows(self.kind, self.qs, self.d, self.m)             # [..., out, in] float32
     lead = self.lead
     w = w.reshape(*lead, *self.outs, *self.ins)
-    if not self.rows:
+    if not self.rows and not file_order:
       n, o, i = len(lead), len(self.outs), len(self.ins)
       w = w.transpose(*range(n), *range(n + o, n + o + i), *range(n, n + o))
     return w.astype(dtype)
@@ -134,9 +134,21 @@ def einsum(spec: str, a, w: BlockTensor, dtype, out_dtype=None):
                   a, w)
 
 
+def _file_order(spec: str, w: BlockTensor) -> str:
+  """`spec` with w's operand letters in the file's order [*outs, *ins] (rows-first already for
+  the embedding): the product reads the dequantised [out, in] matrix with no transpose."""
+  if w.rows:
+    return spec
+  operands, out = spec.split("->")
+  a, wl = operands.split(",")
+  n, k = len(wl) - len(w.ins) - len(w.outs), len(w.ins)
+  return f"{a},{wl[:n]}{wl[n + k:]}{wl[n:n + k]}->{out}"
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
 def _beinsum(spec, dtype, out_dtype, a, w):
-  return jnp.einsum(spec, a, w.dequantize(dtype), preferred_element_type=out_dtype)
+  return jnp.einsum(_file_order(spec, w), a, w.dequantize(dtype, file_order=True),
+                    preferred_element_type=out_dtype)
 
 
 def _beinsum_fwd(spec, dtype, out_dtype, a, w):
@@ -151,8 +163,8 @@ def _zero_tangent(x):
 
 def _beinsum_bwd(spec, dtype, out_dtype, res, g):
   a_aval, w = res
-  wd = w.dequantize(dtype)
-  lin = lambda a: jnp.einsum(spec, a, wd, preferred_element_type=out_dtype)
+  wd = w.dequantize(dtype, file_order=True)
+  lin = lambda a: jnp.einsum(_file_order(spec, w), a, wd, preferred_element_type=out_dtype)
   (da,) = jax.linear_transpose(lin, a_aval)(g)
   return da.astype(a_aval.dtype), jax.tree.map(_zero_tangent, w)
 
