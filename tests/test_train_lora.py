@@ -129,3 +129,33 @@ def test_lora_on_an_int8_base_trains_and_evaluates(tmp_path):
   # Continuing these adapters with a float base: refused, naming the key.
   with pytest.raises(ValueError, match=r"config\.model\.lora\.base_dtype='int8'"):
     train.run(_config(0, 1, data, **{"model.init_from": str(work)}), tmp_path / "next")
+
+
+def test_lora_on_a_gguf_block_base_trains_and_evaluates(tmp_path):
+  """config.model.lora.base_dtype="gguf" on a .gguf model: the run holds the file's blocks (its
+  fingerprint is theirs), trains SFT then RL, and evaluation restores the block base with the
+  adapters; a float base for those adapters is refused naming the fix."""
+  from jaxagent.models import gguf_base, gguf_io
+  from tests.models.test_gguf_base import KEPT, _write
+  data = tmp_path / "data"
+  path = _write(tmp_path / "qwen2.gguf", "qwen2", KEPT, context=2048)
+  config = _config(2, 1, data, **{"model.path": str(path), "model.lora.base_dtype": "gguf"})
+  policy = setup.load_policy(config)
+  assert gguf_base.is_block_base(policy.params)
+  done = train.run(config, tmp_path / "w")
+  assert done["base_fingerprint"] == base_fingerprint(policy.params)
+  ad, meta = _adapters(tmp_path / "w", "rl", config, policy)
+  assert meta[adapters.LORA_KEY]["base_dtype"] == "gguf"
+  assert any(np.any(ab["b"] != 0) for ab in ad.values())
+  floats = gguf_io.load_params(path, policy.config)
+  got = adapters.restore_policy(tmp_path / "w", "rl", 1, layout.abstract_params(floats),
+                                policy.config, adapters.BaseLoader(lambda: policy.params),
+                                policy.mesh)
+  tokens = jax.numpy.arange(1, 9, dtype=jax.numpy.int32)[None]
+  want = decoder.apply(policy.config, lora.attach(floats, ad, adapters.config_from_meta(meta)),
+                       tokens)[0]
+  np.testing.assert_allclose(np.asarray(decoder.apply(policy.config, got, tokens)[0]),
+                             np.asarray(want), rtol=0, atol=5e-5)
+  with pytest.raises(ValueError, match=r"base_dtype='gguf'.*not float weights"):
+    adapters.restore_policy(tmp_path / "w", "rl", 1, layout.abstract_params(floats),
+                            policy.config, adapters.BaseLoader(lambda: floats), policy.mesh)

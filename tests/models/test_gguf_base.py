@@ -47,12 +47,15 @@ def _short(g: str) -> str:
   return g.split(".")[2] if g.startswith("blk.") else g.split(".")[0]
 
 
-def _write(path, arch: str, types: dict, seed: int = 0, per_layer: dict | None = None):
+def _write(path, arch: str, types: dict, seed: int = 0, per_layer: dict | None = None,
+           context: int = 256):
   """A tiny `arch` file with each matrix of GGUF short name s in types[s] (per_layer[(s, i)]
-  overrides layer i), norms and biases F32, Q/K rows permuted as llama.cpp writes llama files."""
+  overrides layer i), norms and biases F32, Q/K rows permuted as llama.cpp writes llama files;
+  `context`: its context_length."""
   d, f, h, k, hd, _ = ARCHS[arch]
   rng = np.random.default_rng(seed)
   w = gguf.GGUFWriter(str(path), arch)
+  w.add_context_length = lambda _: type(w).add_context_length(w, context)   # _add_metadata's
   _add_metadata(w, d, f, h, k, hd)
   for name, shape in _hf_shapes(arch).items():
     g = gguf_io.gguf_tensor_name(name)
