@@ -13,6 +13,7 @@ PyTorch on CPU. Needs torch (an optional dependency), imported only here.
 from __future__ import annotations
 
 import pathlib
+import statistics
 import time
 
 import jax
@@ -125,7 +126,6 @@ def model_peer_row(policy, env, host, tasks, group: int, turns: int, repeats: in
   Returns both rows (`rollouts.rollout_row`, `naive_row`'s fields), each round's seconds, the
   speedup (the loop's median over the rollout's) and the frameworks' largest logit difference
   on the first prompt."""
-  import statistics   # noqa: PLC0415
   import torch   # noqa: PLC0415 (optional: the benchmark's transformers rows)
   threads = torch.get_num_threads()
   torch.set_num_threads(torch_threads)
