@@ -13,6 +13,8 @@ PyTorch on CPU. Needs torch (an optional dependency), imported only here.
 from __future__ import annotations
 
 import pathlib
+import statistics
+import time
 
 import jax
 import numpy as np
@@ -20,7 +22,8 @@ import numpy as np
 import jaxagent.envs as envs
 from jaxagent.bench.machine import timed
 from jaxagent.bench.models import random_policy
-from jaxagent.bench.rollouts import naive_row, rollout_fn, rollout_row, with_attention
+from jaxagent.bench.rollouts import (naive_row, naive_rollout, rollout_fn, rollout_row,
+                                     with_attention)
 from jaxagent.envs.host import HostLookupEnv
 from jaxagent.models import attention
 from jaxagent.planning.flops import param_counts
@@ -28,6 +31,10 @@ from jaxagent.planning.flops import param_counts
 PEER = dict(hidden_size=128, intermediate_size=384, num_layers=4, num_heads=4, num_kv_heads=2,
             head_dim=32, tie_word_embeddings=False, qkv_bias=True, rope_theta=1e6)
 PEER_EPISODES, PEER_TURNS, PEER_TOKENS, PEER_HOPS = 64, 8, 16, 4
+# The SmolLM2 row (issue 41): 4 tasks x 4 episodes x 4 turns of `lookup` in the model's own text,
+# each turn up to the environment's whole action length; torch on 2 threads (the benchmark
+# machine's cores).
+MODEL_PEER_TASKS, MODEL_PEER_GROUP, MODEL_PEER_TURNS, MODEL_PEER_THREADS = 4, 4, 4, 2
 
 
 def hf_generate(model, eot: int, pad: int):
@@ -103,3 +110,59 @@ def peer_section(base, repeats: int, workdir, episodes: int = PEER_EPISODES,
           "hops": PEER_HOPS, "logits_max_abs_diff": diff,
           "torch_threads": torch.get_num_threads(), "jax": jax_row, "jax_xla_attention": xla_row,
           "hf": hf, "speedup": hf["seconds"] / secs}
+
+
+def model_peer_row(policy, env, host, tasks, group: int, turns: int, repeats: int, workdir,
+                   name: str, torch_threads: int = MODEL_PEER_THREADS) -> dict:
+  """jaxagent's held rollout program (`rollouts.rollout_fn`: one `Rollouts` owner, compiled
+  once) against the `transformers` loop (`hf_generate` in `rollouts.naive_rollout`: history
+  re-encoded each turn, torch on `torch_threads` threads) on `policy`'s weights (exported to
+  `workdir`/`name`), the same `tasks` x `group` episodes of `turns` turns, each turn up to the
+  environment's whole action length, in one process. After the rollout's compiling run, each
+  of `repeats` rounds times one rollout then one loop (interleaved: both see the same machine);
+  seconds are the medians (PyTorch has nothing to compile, so the loop has no untimed run).
+  `env` is the JAX-native environment and `host` its host twin (`HostLookupEnv`).
+
+  Returns both rows (`rollouts.rollout_row`, `naive_row`'s fields), each round's seconds, the
+  speedup (the loop's median over the rollout's) and the frameworks' largest logit difference
+  on the first prompt."""
+  import torch   # noqa: PLC0415 (optional: the benchmark's transformers rows)
+  threads = torch.get_num_threads()
+  torch.set_num_threads(torch_threads)
+  try:
+    model = load_hf(policy, pathlib.Path(workdir) / name)
+    np_tasks = jax.tree.map(np.asarray, tasks)
+    rep_tasks = jax.tree.map(lambda x: np.repeat(x, group, axis=0), np_tasks)
+    episodes = len(jax.tree.leaves(rep_tasks)[0])
+    _, obs0 = host.reset(jax.tree.map(lambda x: x[:1], rep_tasks), -1)
+    probe = obs0.tokens[:1, :obs0.length[0]]
+    with torch.no_grad():
+      want = model(torch.tensor(probe, dtype=torch.long)).logits.numpy()
+    diff = float(np.abs(np.asarray(policy.forward(probe.tolist())) - want).max())
+    run = rollout_fn(policy, env, tasks, group, turns)
+    traj = run()                                                    # compiles
+    gen = hf_generate(model, int(env.codec.end_of_turn_id), int(env.codec.pad_id))
+    rounds, hf_tokens = [], 0
+    for _ in range(max(1, repeats)):
+      jax_s, traj = _once(run)
+      hf_s, hf_tokens = _once(lambda: naive_rollout(None, host, rep_tasks, turns,
+                                                    env.max_action_len, 0, generate=gen))
+      rounds.append({"jax_seconds": jax_s, "hf_seconds": hf_s})
+    jax_secs = statistics.median(r["jax_seconds"] for r in rounds)
+    hf_secs = statistics.median(r["hf_seconds"] for r in rounds)
+  finally:
+    torch.set_num_threads(threads)
+  return {"params": param_counts(policy.config, policy.params)["total"], "episodes": episodes,
+          "turns": turns, "tokens_per_turn": int(env.max_action_len),
+          "logits_max_abs_diff": diff, "torch_threads": torch_threads, "rounds": rounds,
+          "jax": rollout_row(jax_secs, traj, episodes),
+          "hf": {"seconds": hf_secs, "episodes_per_s": episodes / hf_secs,
+                 "generated_tokens": hf_tokens, "generated_tokens_per_s": hf_tokens / hf_secs},
+          "speedup": hf_secs / jax_secs}
+
+
+def _once(fn):
+  """(seconds, output) of one call of `fn`."""
+  t0 = time.perf_counter()
+  out = fn()
+  return time.perf_counter() - t0, out

@@ -119,6 +119,11 @@ def measures_lines(res: dict) -> list[str]:
     lines.append(f"| peers' workload: jax rollout vs the transformers generate loop (episodes/s) "
                  f"| {pe['speedup']:.1f}x ({fmt(pe['jax']['episodes_per_s'])} vs "
                  f"{fmt(pe['hf']['episodes_per_s'])}) | >= 5x |")
+  sp = (res.get("smollm2") or {}).get("peers")
+  if sp:
+    lines.append(f"| SmolLM2-135M: jax rollout vs the transformers generate loop (episodes/s) "
+                 f"| {sp['speedup']:.2f}x ({fmt(sp['jax']['episodes_per_s'], 2)} vs "
+                 f"{fmt(sp['hf']['episodes_per_s'], 2)}) | >= 3x |")
   if res.get("credit"):
     c = res["credit"]
     lines.append(f"| update with state grouping (gigpo) vs GRPO | "
@@ -205,6 +210,15 @@ def models_lines(res: dict) -> list[str]:
               f"{fmt(r['generated_tokens_per_s'], 0)} generated tokens/s (mean transcript "
               f"{r['mean_length']:.0f} tokens); decode {sm['decode']['tokens']} tokens; update "
               f"{sm['update']['tokens']} tokens padded to {sm['update']['padded_length']}."]
+    if sm.get("peers"):
+      sp = sm["peers"]
+      lines[-1] += (
+          f" Against the transformers loop (the same weights: logits within "
+          f"{sp['logits_max_abs_diff']:.1e}; torch on {sp['torch_threads']} threads, history "
+          f"re-encoded every turn), {sp['episodes']} episodes x {sp['turns']} turns x <= "
+          f"{sp['tokens_per_turn']} tokens, median of {len(sp['rounds'])} interleaved rounds: "
+          f"jax rollout {sp['jax']['seconds']:.2f} s, transformers loop "
+          f"{sp['hf']['seconds']:.2f} s ({sp['speedup']:.2f}x).")
   return lines
 
 

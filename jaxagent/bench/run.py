@@ -13,7 +13,8 @@ Sections, in the order they run (each a function of its own module returning a p
   * update:    the RL update's tokens/s and model FLOP/s, against the peak (`update.update_step`);
   * credit:    turn-level credit's overhead over GRPO, interleaved (`update.credit_overhead`);
   * big:       a random-weight model of `big_size` (`models.model_section` + a decode step);
-  * smollm2:   the real SmolLM2-135M-Instruct (`models.model_section`);
+  * smollm2:   the real SmolLM2-135M-Instruct (`models.model_section`) and, with torch and
+               `lookup`, its rollout against the transformers loop (`peers.model_peer_row`);
   * peers:     the peers' workload against the `transformers` loop (`peers.peer_section`);
   * scaling:   the jitted rollout as batch, turns and tokens per turn grow (`rollouts.scaling`);
   * host_path: `lookup` vs `host_lookup` stepping the same tasks with no model, and a slow tool
@@ -42,7 +43,8 @@ from jaxagent.bench.accelerator import MODELS, accelerator_section
 from jaxagent.bench.decode import decode_only, decode_step_profile
 from jaxagent.bench.hostpath import host_path
 from jaxagent.bench.models import big_policy, model_section
-from jaxagent.bench.peers import PEER_EPISODES, PEER_TURNS, peer_section
+from jaxagent.bench.peers import (MODEL_PEER_GROUP, MODEL_PEER_TASKS, MODEL_PEER_TURNS,
+                                  PEER_EPISODES, PEER_TURNS, model_peer_row, peer_section)
 from jaxagent.bench.pieces import breakdown
 from jaxagent.bench.rollouts import compare_methods, rollout_fn, scaling
 from jaxagent.bench.update import credit_overhead, update_step
@@ -164,8 +166,17 @@ def run_benchmark(options: Options) -> dict:
     logging.info("big: %s", res["big"])
   if o.smollm2:
     smol = from_pretrained("builtin:smollm2-135m")
-    res["smollm2"] = model_section(smol, envs.make(o.env, smol.tokenizer), o.learner, *sizes)
+    smol_env = envs.make(o.env, smol.tokenizer)
+    res["smollm2"] = model_section(smol, smol_env, o.learner, *sizes)
     logging.info("smollm2: %s", res["smollm2"])
+    if o.peers and o.env == "lookup":
+      # Issue 41: the held rollout program against the transformers loop on SmolLM2's weights.
+      smol_tasks = jax.vmap(smol_env.sample_task)(
+          jax.random.split(jax.random.key(0), MODEL_PEER_TASKS))
+      res["smollm2"]["peers"] = model_peer_row(
+          smol, smol_env, HostLookupEnv(smol_env.codec), smol_tasks, MODEL_PEER_GROUP,
+          MODEL_PEER_TURNS, o.repeats, o.out, "peer_smollm2")
+      logging.info("smollm2 peers: %s", res["smollm2"]["peers"])
   if o.peers:
     res["peers"] = peer_section(policy, o.repeats, o.out, o.peer_episodes, o.peer_turns)
     logging.info("peers: %s", res["peers"])

@@ -160,25 +160,43 @@ def verdict_path() -> pathlib.Path:
 
 
 def read_verdict() -> dict | None:
-  """The cached verdict {"kernel": bool, "kernel_ms": float, "xla_ms": float}, or None if none
-  was measured here yet (or the file is unreadable)."""
-  try:
-    verdict = json.loads(verdict_path().read_text())
-  except (OSError, ValueError):
-    return None
+  """The cached verdict {"kernel": bool, "kernel_ms": float, "xla_ms": float} (and, once measured,
+  the few-row product's {"small_matmul": bool, ...}: `attention.small_products`), or None if no
+  attention verdict was measured here yet (or the file is unreadable)."""
+  verdict = _read_verdict_file()
   ok = isinstance(verdict, dict) and isinstance(verdict.get("kernel"), bool) and all(
       isinstance(verdict.get(k), (int, float)) for k in ("kernel_ms", "xla_ms"))
   return verdict if ok else None
 
 
+def _read_verdict_file() -> dict:
+  try:
+    verdict = json.loads(verdict_path().read_text())
+  except (OSError, ValueError):
+    return {}
+  return verdict if isinstance(verdict, dict) else {}
+
+
 def write_verdict(verdict: dict) -> None:
-  """Caches `verdict` atomically (a temporary file renamed into place)."""
+  """Caches `verdict` atomically (a temporary file renamed into place), over the entries already
+  cached: the attention verdict and the few-row product's are measured apart and kept side by
+  side."""
   path = verdict_path()
   path.parent.mkdir(parents=True, exist_ok=True)
+  merged = {**_read_verdict_file(), **verdict, "cpu": _cpu_name()}
   fd, tmp = tempfile.mkstemp(suffix=".json", dir=path.parent)
   with os.fdopen(fd, "w") as f:
-    json.dump({**verdict, "cpu": _cpu_name()}, f)
+    json.dump(merged, f)
   os.replace(tmp, path)
+
+
+def read_small_verdict() -> dict | None:
+  """The cached few-row product verdict {"small_matmul": bool, "small_ms": float, "xla_ms":
+  float} (`attention.small_products`), or None where none was measured for this build."""
+  v = _read_verdict_file()
+  ok = isinstance(v.get("small_matmul"), bool) and all(
+      isinstance(v.get(k), (int, float)) for k in ("small_matmul_ms", "xla_matmul_ms"))
+  return {k: v[k] for k in ("small_matmul", "small_matmul_ms", "xla_matmul_ms")} if ok else None
 
 
 def load() -> None:

@@ -35,7 +35,7 @@ CACHE_BLOCK = 128
 # Queries per block of the causal attention without a cache (see `causal_attention`).
 QUERY_BLOCK = 128
 _NEG = -1e30  # finite "minus infinity": fully masked rows stay NaN-free
-_AUTO: dict = {}   # the process's "auto" verdict once known: {"kernel": bool}
+_AUTO: dict = {}   # the process's verdicts once known: {"kernel": bool, "small": bool}
 
 
 def kernel_enabled(impl: str) -> bool:
@@ -108,11 +108,69 @@ def _measure_auto(rounds: int = 5) -> dict:
   return {"kernel": total[True] < total[False], "kernel_ms": total[True], "xla_ms": total[False]}
 
 
+# The few-row products a kernel decode step would hand to `cpu.small_matmul`: (rows, [(in, out)]
+# per layer), SmolLM2-135M's layer (fused q/k/v, o, gate/up, down) at 16 rows, over
+# `_SMALL_LAYERS` layers of distinct weights (~113 MB: read from memory, as in a decode step,
+# not from cache).
+_SMALL_SHAPES = (16, ((576, 960), (576, 576), (576, 3072), (1536, 576)))
+_SMALL_LAYERS = 8
+
+
+def small_products() -> bool:
+  """Whether a kernel decode step's few-row weight products (`decoder.SMALL_MATMUL_ROWS`) take
+  `cpu.small_matmul`: only on 16-lane (AVX-512) builds, and only where a measurement at first
+  use (`_measure_small`) found it faster than XLA's products on this machine (cached beside the
+  kernel's build with the attention verdict). On the AMD EPYC benchmark machine (AVX-512,
+  2026-12-08) XLA's products were ~2x faster and SmolLM2's decode step fell from ~160 to ~100
+  ms; on 8-lane builds XLA's measured 2-3x faster."""
+  if cpu.vector_lanes() < 16:
+    return False
+  if "small" not in _AUTO:
+    verdict = cpu.read_small_verdict()
+    if verdict is None:
+      with jax.ensure_compile_time_eval():   # may run inside a trace: measure eagerly
+        verdict = _measure_small()
+      cpu.write_verdict(verdict)
+    logging.info("jaxagent: a kernel decode step's few-row products take %s on this CPU "
+                 "(small_matmul %.2f ms, XLA %.2f ms; cached in %s)",
+                 "small_matmul" if verdict["small_matmul"] else "XLA",
+                 verdict["small_matmul_ms"], verdict["xla_matmul_ms"], cpu.verdict_path())
+    _AUTO["small"] = bool(verdict["small_matmul"])
+  return _AUTO["small"]
+
+
+def _measure_small(rounds: int = 5) -> dict:
+  """Best-of-`rounds` time of `_SMALL_SHAPES`' products over `_SMALL_LAYERS` layers through
+  `cpu.small_matmul` and through XLA, alternating: {"small_matmul": faster?, "small_matmul_ms",
+  "xla_matmul_ms"}."""
+  rows, shapes = _SMALL_SHAPES
+  rng = np.random.default_rng(0)
+  ws = [[jnp.asarray(rng.standard_normal((k, n), np.float32) * 0.05) for k, n in shapes]
+        for _ in range(_SMALL_LAYERS)]
+  xs = [jnp.asarray(rng.standard_normal((rows, k), np.float32)) for k, _ in shapes]
+
+  def chain(product):
+    def run(ws, xs):
+      return sum(jnp.sum(product(x, w)) for layer in ws for x, w in zip(xs, layer))
+    return jax.jit(run)
+
+  fns = {True: chain(cpu.small_matmul), False: chain(jnp.matmul)}
+  best: dict = {}
+  for _ in range(rounds):
+    for small, fn in fns.items():
+      fn(ws, xs).block_until_ready()                  # compiled on the first round
+      t = time.perf_counter()
+      fn(ws, xs).block_until_ready()
+      best[small] = min(best.get(small, np.inf), time.perf_counter() - t)
+  return {"small_matmul": bool(best[True] < best[False]), "small_matmul_ms": best[True] * 1e3,
+          "xla_matmul_ms": best[False] * 1e3}
+
+
 def _probe_layer(kernel: bool, calls: int, dims: tuple):
   """`calls` chunks of one layer of `_measure_auto` through one path, jitted; x [B, C, D]."""
   b, c, kh, g, hd = dims
   nq, nk = g * kh * hd, kh * hd
-  small = kernel and b * c <= 16
+  small = kernel and b * c <= 16 and small_products()
   proj = lambda a, w: (cpu.small_matmul(a.reshape(-1, w.shape[0]), w).reshape(b, c, -1)
                        if small else a @ w)
   causal = jnp.tril(jnp.ones((c, c), bool))[None].repeat(b, 0)

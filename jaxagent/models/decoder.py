@@ -227,9 +227,10 @@ def _layer(cfg: ModelConfig, x_bld, p, cos, sin, mask_bls, cache=None, layer=Non
   w = lambda name: p[name].astype(dt)
   # a @ W over a's last n dims, plus a LoRA delta where `p` carries one (`lora.attach`).
   proj = lambda a, name, n: lora.project(p, name, a, n, _proj(a, p[name], n, small, dt))
-  # A kernel step's few rows (x [B, L, D]) go through the kernel's products too (`_proj`).
+  # A kernel step's few rows (x [B, L, D]) go through the kernel's products too (`_proj`), where
+  # they measured faster than XLA's on this machine (`attention.small_products`).
   small = write and x_bld.shape[0] * x_bld.shape[1] <= SMALL_MATMUL_ROWS and \
-      cpu.vector_lanes() >= 16
+      attention.small_products()
   h = rms_norm(x_bld, p["attn_norm"], cfg.rms_norm_eps)
   if "qkv_proj" in p:                       # fused (`for_decode`)
     qkv = _proj(h, w("qkv_proj"), 1, small)
@@ -293,7 +294,8 @@ _SAVE_GATE_UP = jax.checkpoint_policies.save_only_these_names("mlp_gate", "mlp_u
 
 
 # Rows (batch x chunk) up to which a kernel step's weight products take `cpu.small_matmul` (on
-# AVX-512 builds; on AVX2 ones XLA's products measured 2-3x faster and stay).
+# AVX-512 builds where it measured faster than XLA's: `attention.small_products`; on AVX2 ones
+# XLA's products measured 2-3x faster and stay).
 SMALL_MATMUL_ROWS = 16
 
 

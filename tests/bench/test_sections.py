@@ -2,7 +2,7 @@
 measures, how it adds the machine's limits to its results (the accounting itself is
 tests/planning/test_flops.py's), credit's interleaved timing, the rollout's pieces, and the
 markdown rendered from given results. The peers' section runs in test_benchmark.py's end-to-end
-run."""
+run; the SmolLM2 row's comparison (`peers.model_peer_row`) runs here on a tiny random model."""
 
 import dataclasses
 import types
@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 import jaxagent.envs as envs
-from jaxagent.bench import decode, machine, models, pieces, report, rollouts, update
+from jaxagent.bench import decode, machine, models, peers, pieces, report, rollouts, update
+from jaxagent.envs.host import HostLookupEnv
 from jaxagent.learners.update import LearnerConfig
 from jaxagent.models import from_pretrained
 from jaxagent.models.config import ModelConfig
@@ -107,6 +108,42 @@ def test_markdown_has_the_smollm2_rows():
   assert "SmolLM2-135M model: 134,515,008 parameters (float32)" in md
   assert "jax rollout 4.00 s, 2.00 episodes/s, 20 generated tokens/s" in md
   assert "| jax rollout vs naive loop (episodes/s) | 10.0x |" in md
+  assert "SmolLM2-135M: jax rollout vs the transformers" not in md
+  res["smollm2"]["peers"] = {
+      "params": 134_515_008, "episodes": 16, "turns": 4, "tokens_per_turn": 32,
+      "logits_max_abs_diff": 2e-5, "torch_threads": 2,
+      "rounds": [{"jax_seconds": 4.0, "hf_seconds": 12.0}, {"jax_seconds": 5.0,
+                                                             "hf_seconds": 20.0}],
+      "jax": row(4.5) | {"episodes_per_s": 16 / 4.5}, "hf": {"seconds": 16.0,
+                                                             "episodes_per_s": 1.0},
+      "speedup": 16.0 / 4.5}
+  md = report.markdown(res)
+  assert ("| SmolLM2-135M: jax rollout vs the transformers generate loop (episodes/s) | 3.56x "
+          "(3.56 vs 1.00) | >= 3x |") in md
+  assert ("16 episodes x 4 turns x <= 32 tokens, median of 2 interleaved rounds: jax rollout "
+          "4.50 s, transformers loop 16.00 s (3.56x)") in md
+
+
+def test_model_peer_row_runs_both_frameworks_on_the_same_weights(tmp_path):
+  """The SmolLM2 row's comparison on a tiny random model: the same logits in both frameworks,
+  every round timing both, the speedup the medians' ratio, and torch's threads restored."""
+  torch = pytest.importorskip("torch")
+  base = from_pretrained("builtin:micro")
+  policy = models.random_policy(base, **models.BIG["tiny"])
+  env = envs.make("lookup", policy.tokenizer)
+  tasks = jax.vmap(env.sample_task)(jax.random.split(jax.random.key(0), 2))
+  threads = torch.get_num_threads()
+  row = peers.model_peer_row(policy, env, HostLookupEnv(env.codec), tasks, 2, 2, 2, tmp_path,
+                             "peer_tiny", torch_threads=1)
+  assert torch.get_num_threads() == threads
+  assert row["logits_max_abs_diff"] < 1e-4 and row["torch_threads"] == 1
+  assert (row["episodes"], row["turns"], row["tokens_per_turn"]) == (4, 2, env.max_action_len)
+  assert len(row["rounds"]) == 2
+  assert row["jax"]["seconds"] == np.median([r["jax_seconds"] for r in row["rounds"]])
+  assert row["hf"]["seconds"] == np.median([r["hf_seconds"] for r in row["rounds"]])
+  assert row["speedup"] == pytest.approx(row["hf"]["seconds"] / row["jax"]["seconds"])
+  assert row["jax"]["generated_tokens"] > 0 and row["hf"]["generated_tokens"] > 0
+  assert (tmp_path / "peer_tiny" / "config.json").is_file()
 
 
 @pytest.fixture(scope="module")

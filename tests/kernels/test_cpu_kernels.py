@@ -377,6 +377,36 @@ def test_the_auto_verdict_is_cached_beside_the_library(monkeypatch, tmp_path):
   assert cpu.read_verdict() is None                          # another build: its own verdict
 
 
+def test_the_small_product_verdict_is_kept_beside_the_attention_verdict(monkeypatch, tmp_path):
+  monkeypatch.setenv("JAXAGENT_KERNEL_DIR", str(tmp_path))
+  assert cpu.read_small_verdict() is None
+  cpu.write_verdict({"small_matmul": True, "small_matmul_ms": 1.0, "xla_matmul_ms": 2.0})
+  assert cpu.read_verdict() is None                   # no attention verdict yet: measured then
+  cpu.write_verdict({"kernel": False, "kernel_ms": 2.5, "xla_ms": 1.5})
+  assert cpu.read_verdict()["kernel"] is False
+  assert cpu.read_small_verdict() == {"small_matmul": True, "small_matmul_ms": 1.0,
+                                      "xla_matmul_ms": 2.0}
+  cpu.write_verdict({"small_matmul": False, "small_matmul_ms": 3.0, "xla_matmul_ms": 2.0})
+  assert cpu.read_small_verdict()["small_matmul"] is False
+  assert cpu.read_verdict()["kernel_ms"] == 2.5
+
+
+def test_small_products_follow_the_cached_measurement_on_16_lane_builds(monkeypatch):
+  for lanes, faster, want in ((16, True, True), (16, False, False), (8, True, False)):
+    monkeypatch.setattr(attention, "_AUTO", {})
+    monkeypatch.setattr(cpu, "vector_lanes", lambda lanes=lanes: lanes)
+    monkeypatch.setattr(cpu, "read_small_verdict", lambda f=faster: {
+        "small_matmul": f, "small_matmul_ms": 1.0, "xla_matmul_ms": 1.0})
+    assert attention.small_products() is want
+
+
+def test_the_small_product_measurement_times_both(monkeypatch):
+  monkeypatch.setattr(attention, "_SMALL_LAYERS", 1)
+  verdict = attention._measure_small(rounds=1)
+  assert verdict["small_matmul_ms"] > 0 and verdict["xla_matmul_ms"] > 0
+  assert verdict["small_matmul"] == (verdict["small_matmul_ms"] < verdict["xla_matmul_ms"])
+
+
 def test_auto_takes_the_kernel_only_where_it_measured_faster(monkeypatch):
   """On one CPU device "auto" follows the cached measurement (this test process has 8 devices,
   where "auto" is always XLA's path, so the device count is faked here)."""
@@ -467,7 +497,8 @@ def _made_in_loop(hlo: str, shape: str) -> list[str]:
 def test_the_build_reports_its_vector_width_and_decode_products_follow_it(build, micro,
                                                                           monkeypatch):
   """16 lanes on AVX-512 builds, 8 on AVX2 ones; kernel decode steps take the few-row product
-  only on 16-lane builds (on 8-lane ones XLA's products measured 2-3x faster)."""
+  only on 16-lane builds where it measured faster than XLA's (on 8-lane ones XLA's products
+  measured 2-3x faster)."""
   flags = pathlib.Path("/proc/cpuinfo").read_text() if pathlib.Path("/proc/cpuinfo").exists() \
       else ""
   if build == "no-avx512":
@@ -477,8 +508,9 @@ def test_the_build_reports_its_vector_width_and_decode_products_follow_it(build,
   cfg = _at(micro, "kernel").config
   params = decoder.for_decode(cfg, micro.params)
   cache = decoder.init_cache(cfg, 2, 16)
-  for lanes, small in ((16, True), (8, False)):
+  for lanes, faster, small in ((16, True, True), (16, False, False), (8, True, False)):
     monkeypatch.setattr(cpu, "vector_lanes", lambda lanes=lanes: lanes)
+    monkeypatch.setattr(attention, "_AUTO", {"small": faster})   # the measured verdict
     step = lambda p, c: decoder.apply(cfg, p, jnp.ones((2, 1), jnp.int32), cache=c)[0]  # new trace
     text = jax.jit(step).lower(params, cache).as_text()
     assert (cpu._MATMUL_TARGET in text) == small
