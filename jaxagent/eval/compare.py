@@ -247,12 +247,16 @@ def measure(rs: RunSet, config, e: sections.EvalConfig, programs=None) -> Measur
   oracle_traj = ev.rollouts(params[rs.bases[0]], k_oracle, max(rep0["eval"]["budgets"]),
                             budget_visible=vis, temperature=e.temperature, group_size=1,
                             oracle=True)
-  policy = ev.policy_analyses(params, oracle_traj, trajs[rs.bases[0]], k_oracle, k_act, vis)
+  # The bases' sweep temperatures are decoded from the prefills of their step-quality actions.
+  at = (sharpening.sweep_temperatures(e.sharpen_temperatures, e.temperature)
+        if e.sharpen_temperatures else ())
+  policy = ev.policy_analyses(params, oracle_traj, trajs[rs.bases[0]], k_oracle, k_act, vis,
+                              sweep={b: at for b in rs.bases} if at else None)
   loglik = LogLikelihoods(ev, params, trajs, e)
   sh = None
   if e.sharpen_temperatures:
     sh = sharpening.sweep(ev, params, policy.refs, rs.bases, rs.arms, policy.step_quality,
-                          k_act, e.sharpen_temperatures, e.temperature)
+                          k_act, e.sharpen_temperatures, e.temperature, done=policy.sweep)
     sharpening.evaluate(sh, ev, params, policy.errs, k_roll, k_act, deciding_arms(rs))
     for lab, r in sh.runs.items():
       loglik.add(lab, r["params"], r["traj"], r["temperature"])
