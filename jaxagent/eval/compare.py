@@ -171,7 +171,9 @@ def arm_kinds(evals: dict[str, tuple[dict, dict]],
 class LogLikelihoods:
   """Log-likelihoods of each run's stored trajectories under each policy: `self(a, b)` scores
   run a's trajectories (rows `rows[a]`, `Evaluator.likelihood_rows`) under run b's params,
-  once per pair, when first asked (`likelihood.agent_loglik`: {"sum", "mean", "count"} [R])."""
+  once per pair, when first asked (`likelihood.agent_loglik`: {"sum", "mean", "count"} [R]).
+  Policies sharing one params object (a base and its sharpened self) are scored together: one
+  forward pass of a's trajectories serves every temperature (`likelihood.score_rows_at`)."""
 
   def __init__(self, ev: Evaluator, params: dict, trajs: dict[str, Trajectory],
                e: sections.EvalConfig):
@@ -195,9 +197,19 @@ class LogLikelihoods:
         nan = np.full((len(r),), np.nan)
         self._scored[(a, b)] = {"sum": nan, "mean": nan, "count": np.zeros((len(r),))}
         return self._scored[(a, b)]
-      lp = likelihood.score_rows(self.ev.model_config, self.params[b], np.asarray(t.tokens)[r],
-                                 np.asarray(t.length)[r], temp, self.e.score_batch)
-      self._scored[(a, b)] = likelihood.agent_loglik(lp, np.asarray(t.loss_mask)[r])
+      # Every policy with b's params (b itself, b sharpened) scores a's trajectories from one
+      # forward pass: each transcript is run once per params, at every temperature they need.
+      same = [c for c, p in self.params.items()
+              if p is self.params[b] and self.temps.get(c, self.e.temperature) != 0]
+      temps = sorted({self.temps.get(c, self.e.temperature) for c in same})
+      lps = likelihood.score_rows_at(self.ev.model_config, self.params[b],
+                                     np.asarray(t.tokens)[r], np.asarray(t.length)[r], temps,
+                                     self.e.score_batch)
+      mask = np.asarray(t.loss_mask)[r]
+      for c in same:
+        if (a, c) not in self._scored:
+          lp = lps[temps.index(self.temps.get(c, self.e.temperature))]
+          self._scored[(a, c)] = likelihood.agent_loglik(lp, mask)
     return self._scored[(a, b)]
 
   def matrix(self, shown: list[str]) -> dict:
@@ -247,12 +259,16 @@ def measure(rs: RunSet, config, e: sections.EvalConfig, programs=None) -> Measur
   oracle_traj = ev.rollouts(params[rs.bases[0]], k_oracle, max(rep0["eval"]["budgets"]),
                             budget_visible=vis, temperature=e.temperature, group_size=1,
                             oracle=True)
-  policy = ev.policy_analyses(params, oracle_traj, trajs[rs.bases[0]], k_oracle, k_act, vis)
+  # The bases' sweep temperatures are decoded from the prefills of their step-quality actions.
+  at = (sharpening.sweep_temperatures(e.sharpen_temperatures, e.temperature)
+        if e.sharpen_temperatures else ())
+  policy = ev.policy_analyses(params, oracle_traj, trajs[rs.bases[0]], k_oracle, k_act, vis,
+                              sweep={b: at for b in rs.bases} if at else None)
   loglik = LogLikelihoods(ev, params, trajs, e)
   sh = None
   if e.sharpen_temperatures:
     sh = sharpening.sweep(ev, params, policy.refs, rs.bases, rs.arms, policy.step_quality,
-                          k_act, e.sharpen_temperatures, e.temperature)
+                          k_act, e.sharpen_temperatures, e.temperature, done=policy.sweep)
     sharpening.evaluate(sh, ev, params, policy.errs, k_roll, k_act, deciding_arms(rs))
     for lab, r in sh.runs.items():
       loglik.add(lab, r["params"], r["traj"], r["temperature"])

@@ -97,6 +97,7 @@ class PolicyAnalyses:
   step_quality: dict                     # label -> {mode: next-action outcomes} on refs
   recovery: dict                         # label -> {mode: next-action outcomes} on errs
   report: dict                           # "reference_states", "step_quality", "controlled"
+  sweep: dict = dataclasses.field(default_factory=dict)   # label -> {T: outcomes on refs}
 
 
 class Evaluator:
@@ -204,13 +205,16 @@ class Evaluator:
     """(reference states: oracle + base prefixes, error states of base_traj)."""
     replay = self.programs.replay(budget_visible)
     kw = self._state_kw(self.e.tasks_per_batch * self.e.num_samples)
+    base_tasks = self.row_tasks(base_traj)
+    # The base's trajectories are replayed once, for its reference and its error states.
+    replayed = step_quality.replay_env_states(replay, base_tasks, base_traj, kw["row_batch"])
     refs = step_quality.concat_states([
         step_quality.reference_states(replay, self.row_tasks(oracle_traj), oracle_traj,
                                       oracle_traj.acted, source="oracle", **kw),
-        step_quality.reference_states(replay, self.row_tasks(base_traj), base_traj,
-                                      base_traj.acted, source="base", **kw)])
+        step_quality.reference_states(replay, base_tasks, base_traj, base_traj.acted,
+                                      source="base", replayed=replayed, **kw)])
     errs = recovery.controlled_error_states(
-        replay, self.row_tasks(base_traj), base_traj,
+        replay, base_tasks, base_traj, replayed=replayed,
         **self._state_kw(self.e.tasks_per_batch * self.e.num_samples, self.e.max_error_states))
     # One prefix width for both sets: one compiled next-action program.
     width = max(refs.prefix.shape[1], errs.prefix.shape[1])
@@ -219,13 +223,21 @@ class Evaluator:
   def act(self, params, states, key, env_set: EnvSet | None = None,
           modes: tuple[str, ...] = step_quality.MODES) -> dict[str, dict]:
     """Next-action outcomes per decoding mode: {mode: step_quality.next_actions dict}, in the
-    config's environment or `env_set`'s."""
-    fn = (env_set or self.main).next_action_fn()
+    config's environment or `env_set`'s (one prefill per batch of states for all modes)."""
+    return self.act_sweep(params, states, key, (), env_set, modes)[0]
+
+  def act_sweep(self, params, states, key, temperatures, env_set: EnvSet | None = None,
+                modes: tuple[str, ...] = step_quality.MODES) -> tuple[dict, dict]:
+    """({mode: outcomes} as `act`, {T: outcomes} as `act_at` for each of `temperatures`), each
+    batch of states prefilled once for all of them (`step_quality.next_actions_at`): mode m
+    decodes with fold_in(key, MODES.index(m)), every temperature with the sampled mode's key."""
     temps = {"greedy": 0.0, "sampled": self.e.temperature}
-    return {m: step_quality.next_actions(fn, params, states,
-                                         jax.random.fold_in(key, step_quality.MODES.index(m)),
-                                         temps[m], self.e.state_batch)
-            for m in modes}
+    sampled = jax.random.fold_in(key, step_quality.MODES.index("sampled"))
+    decodings = ([(jax.random.fold_in(key, step_quality.MODES.index(m)), temps[m]) for m in modes]
+                 + [(sampled, float(t)) for t in temperatures])
+    got = step_quality.next_actions_at((env_set or self.main).next_action_fn(), params, states,
+                                       decodings, self.e.state_batch)
+    return dict(zip(modes, got)), dict(zip(temperatures, got[len(modes):]))
 
   def act_at(self, params, states, key, temperature: float) -> dict:
     """Next-action outcomes (`step_quality.next_actions`) at any temperature, with the sampled
@@ -305,21 +317,28 @@ class Evaluator:
     return recovery.on_policy_recovery(traj, **self._boot())
 
   def policy_analyses(self, params: dict, oracle_traj, base_traj, k_oracle, k_act,
-                      budget_visible: bool) -> PolicyAnalyses:
+                      budget_visible: bool, sweep: dict | None = None) -> PolicyAnalyses:
     """Step-level quality and controlled recovery of every policy in `params` (label -> params)
     on one common set of states: oracle prefixes and base_traj's prefixes (reference states),
     base_traj's error states, and each extra environment's oracle prefixes. Labels holding the
-    same params object are computed once."""
+    same params object are computed once. sweep: label -> temperatures at which that policy also
+    acts on the reference states (`act_at`'s outcomes, in PolicyAnalyses.sweep; the sharpening
+    control's bases), from the same prefills as its greedy and sampled actions."""
     refs, errs = self.reference_states(oracle_traj, base_traj, budget_visible)
     extra = self.extra_states(next(iter(params.values())), k_oracle)
+    sweep = sweep or {}
+    temps: dict = {}
+    for lab, ts in sweep.items():
+      temps.setdefault(id(params[lab]), set()).update(float(t) for t in ts)
     done: dict = {}
 
     def once(p):
       if id(p) not in done:
         # Error states: sampled only. Recovery is a property of the policy's distribution (the
         # claims use sampled actions), and the error states are most of the states.
-        done[id(p)] = (self.act(p, refs, k_act), self.act(p, errs, k_act, modes=("sampled",)),
-                       self.act_extra(p, k_act, extra))
+        modes, at = self.act_sweep(p, refs, k_act, tuple(sorted(temps.get(id(p), ()))))
+        done[id(p)] = (modes, self.act(p, errs, k_act, modes=("sampled",)),
+                       self.act_extra(p, k_act, extra), at)
       return done[id(p)]
 
     outs = {lab: once(p) for lab, p in params.items()}
@@ -332,7 +351,9 @@ class Evaluator:
     }
     return PolicyAnalyses(refs=refs, errs=errs,
                           step_quality={lab: o[0] for lab, o in outs.items()},
-                          recovery={lab: o[1] for lab, o in outs.items()}, report=sections_)
+                          recovery={lab: o[1] for lab, o in outs.items()}, report=sections_,
+                          sweep={lab: {float(t): outs[lab][3][float(t)] for t in ts}
+                                 for lab, ts in sweep.items()})
 
   # -- likelihoods ------------------------------------------------------------------------------
 

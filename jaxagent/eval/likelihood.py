@@ -51,13 +51,37 @@ def _logprobs(cfg, params, tokens, length, temperature):
   return token_logprobs(cfg, params, tokens, length, temperature)
 
 
+def fit_batch(rows: int, batch_size: int) -> int:
+  """The row batch that scores `rows` rows: batch_size, or for fewer rows their count rounded up
+  to a multiple of 8 (few compiled shapes, little padding)."""
+  return batch_size if rows >= batch_size else min(batch_size, max(8, -(-rows // 8) * 8))
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",))
+def _logprobs_at(cfg, params, tokens, length, temperatures):
+  # vmap over the temperatures only: the forward pass does not depend on them and runs once.
+  return jax.vmap(lambda t: token_logprobs(cfg, params, tokens, length, t))(temperatures)
+
+
 def score_rows(mcfg: ModelConfig, params, tokens: np.ndarray, length: np.ndarray,
                temperature: float, batch_size: int) -> np.ndarray:
   """log p(tokens[b, l] | tokens[b, :l]) [B, L] under `params`, in fixed-size row batches (the last
-  padded with copies of row 0, dropped), so one compiled program serves any B."""
+  padded with copies of row 0, dropped), so one compiled program serves any B >= batch_size.
+  Fewer rows than batch_size go in one batch of B rounded up to a multiple of 8 (`fit_batch`):
+  16 rows padded to a batch of 32 cost what 32 do."""
+  return score_rows_at(mcfg, params, tokens, length, [temperature], batch_size)[0]
+
+
+def score_rows_at(mcfg: ModelConfig, params, tokens: np.ndarray, length: np.ndarray,
+                  temperatures, batch_size: int) -> np.ndarray:
+  """`score_rows` at several temperatures [K, B, L] from one forward pass per batch (a policy
+  scored as itself and as its sharpened self: the same params at two temperatures). One
+  temperature runs `score_rows`' own program; K > 1 compiles one more per K."""
   tokens = np.asarray(tokens, np.int32)
   length = np.asarray(length, np.int32)
+  temps = [float(t) for t in temperatures]
   b, full = tokens.shape
+  batch_size = fit_batch(b, batch_size)
   # Score only the used prefix (rounded up to 128 columns so few shapes compile): rollouts
   # reserve room for the longest turns, most of which is padding.
   keep = min(full, max(128, -(-int(length.max(initial=0)) // 128) * 128))
@@ -67,12 +91,15 @@ def score_rows(mcfg: ModelConfig, params, tokens: np.ndarray, length: np.ndarray
     idx = np.arange(start, start + batch_size)
     real = idx < b
     idx = np.where(real, idx, 0)
-    lp = _logprobs(mcfg, params, jnp.asarray(tokens[idx]), jnp.asarray(length[idx]),
-                   jnp.float32(temperature))
-    out.append(np.asarray(lp)[real])
+    args = (mcfg, params, jnp.asarray(tokens[idx]), jnp.asarray(length[idx]))
+    if len(temps) == 1:
+      lp = _logprobs(*args, jnp.float32(temps[0]))[None]
+    else:
+      lp = _logprobs_at(*args, jnp.asarray(temps, jnp.float32))
+    out.append(np.asarray(lp)[:, real])
   if not out:
-    return np.zeros((b, full), np.float32)
-  return np.pad(np.concatenate(out), ((0, 0), (0, full - keep)))
+    return np.zeros((len(temps), b, full), np.float32)
+  return np.pad(np.concatenate(out, axis=1), ((0, 0), (0, 0), (0, full - keep)))
 
 
 def cross_likelihood(mcfg: ModelConfig, trajectories: dict, params: dict, *, temperature: float,

@@ -115,7 +115,7 @@ def on_policy_recovery(traj, **kw) -> dict:
 
 
 def controlled_error_states(replay_fn, tasks, base_traj, *, max_states: int = 0, seed: int = 0,
-                            row_batch: int = 0) -> step_quality.ReferenceStates:
+                            row_batch: int = 0, replayed=None) -> step_quality.ReferenceStates:
   """The error-state prefixes of `base_traj` as reference states (source "error"); their
   `prev_error_kind` is the kind each recovery rate is grouped by.
 
@@ -124,8 +124,9 @@ def controlled_error_states(replay_fn, tasks, base_traj, *, max_states: int = 0,
       visibility `base_traj` was recorded with.
     tasks: task pytree per row of `base_traj` (leaves [B, ...]).
     base_traj: the Trajectory [B, T] whose error states are taken.
-    max_states, seed, row_batch: see `step_quality.reference_states`.
+    max_states, seed, row_batch, replayed: see `step_quality.reference_states`.
   """
   return step_quality.reference_states(replay_fn, tasks, base_traj,
                                        np.asarray(error_states(base_traj)), source="error",
-                                       max_states=max_states, seed=seed, row_batch=row_batch)
+                                       max_states=max_states, seed=seed, row_batch=row_batch,
+                                       replayed=replayed)

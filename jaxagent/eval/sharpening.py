@@ -87,11 +87,21 @@ class Sharpening:
                            "pass_at_kt": r["grid"]} for lab, r in self.runs.items()}}
 
 
+def sweep_temperatures(temperatures, eval_temperature: float) -> tuple[float, ...]:
+  """The sweep's temperatures that `sweep` computes itself (not greedy, not the evaluation's,
+  which the step-quality analysis has): what `Evaluator.policy_analyses(sweep=...)` can compute
+  for each base from its step-quality prefills."""
+  return tuple(float(t) for t in temperatures if t != 0 and t != eval_temperature)
+
+
 def sweep(ev, params: dict, refs, bases: list[str], rl: dict[str, list[str]], outcomes: dict,
-          key, temperatures, eval_temperature: float) -> Sharpening:
+          key, temperatures, eval_temperature: float, done: dict | None = None) -> Sharpening:
   """The sweep over `temperatures` of every base on the reference states `refs`, and the match
   of every RL run (rl: arm -> labels by seed; outcomes: label -> {"greedy", "sampled"}
-  next-action outcomes on refs, from the step-quality analysis, reused at T = 0 and T_eval)."""
+  next-action outcomes on refs, from the step-quality analysis, reused at T = 0 and T_eval;
+  done: base -> {T: outcomes} already computed with `ev.act_at`'s key, e.g.
+  `PolicyAnalyses.sweep` from the same prefills as the step-quality actions (`sweep_temperatures`
+  says which); any other T is computed here)."""
   ts = tuple(temperatures)
   sw, ent = {}, {}
   for b in bases:
@@ -101,6 +111,8 @@ def sweep(ev, params: dict, refs, bases: list[str], rl: dict[str, list[str]], ou
         sw[b][t] = outcomes[b]["sampled"]
       elif t == 0:
         sw[b][t] = outcomes[b]["greedy"]
+      elif t in (done or {}).get(b, {}):
+        sw[b][t] = done[b][t]
       else:
         sw[b][t] = ev.act_at(params[b], refs, key, t)
     ent[b] = {t: step_quality.entropy_rate(o) for t, o in sw[b].items()}

@@ -34,7 +34,7 @@ percentile bootstrap interval that resamples tasks (`jaxagent.eval.evidence`).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -43,7 +43,7 @@ import numpy as np
 from jaxagent.envs.base import ErrorKind
 from jaxagent.eval import evidence
 from jaxagent.models import sampler
-from jaxagent.rollout.replay import NextAction
+from jaxagent.rollout.replay import NextActionFn
 
 MODES = ("greedy", "sampled")
 # The next-action outcomes `next_actions` returns, with their dtypes.
@@ -57,7 +57,8 @@ FIELDS = {"valid_call": bool, "oracle_match": bool, "error_kind": np.int32, "len
 
 @dataclasses.dataclass
 class ReferenceStates:
-  """N reference states of one environment (host arrays except the env state)."""
+  """N reference states of one environment (host arrays; the env state's PRNG keys, if any, are
+  jax arrays)."""
   prefix: np.ndarray           # [N, P] int32 transcript prefix (pad after prefix_len)
   prefix_len: np.ndarray       # [N] int32
   env_state: Any               # the env's state pytree, leaves [N, ...]
@@ -98,8 +99,28 @@ def replay_env_states(replay_fn, tasks, traj, row_batch: int = 0):
     idx = np.where(real, idx, 0)
     got = replay_fn(jax.tree.map(lambda x: x[jnp.asarray(idx)], tasks),
                     *[jnp.asarray(a[idx]) for a in arrays])
-    parts.append(jax.tree.map(lambda x: x[jnp.asarray(np.nonzero(real)[0])], got))
-  return parts[0] if len(parts) == 1 else jax.tree.map(lambda *xs: jnp.concatenate(xs), *parts)
+    parts.append(_take_rows(_to_host(got), np.nonzero(real)[0]))
+  return parts[0] if len(parts) == 1 else _concat(parts)
+
+
+def _to_host(tree):
+  """`tree` with its leaves fetched to host numpy arrays (PRNG key leaves stay jax arrays), so
+  selecting states is numpy indexing: eager device gathers compiled a program per leaf shape and
+  index count (40 of the quick sokoban study's comparison's 136 compiles, 2.5 s)."""
+  return jax.tree.map(
+      lambda x: x if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key) else np.asarray(x), tree)
+
+
+def _take_rows(tree, *idx):
+  """Leaves indexed by `idx` (numpy index arrays) on the host (jax for PRNG key leaves)."""
+  return jax.tree.map(lambda x: x[idx] if isinstance(x, np.ndarray)
+                      else x[tuple(jnp.asarray(i) for i in idx)], tree)
+
+
+def _concat(parts):
+  """Leaves concatenated along axis 0 (numpy for host leaves, jax for PRNG key leaves)."""
+  return jax.tree.map(lambda *xs: np.concatenate(xs) if isinstance(xs[0], np.ndarray)
+                      else jnp.concatenate(xs), *parts)
 
 
 def _bucket(n: int, multiple: int = 64) -> int:
@@ -107,7 +128,7 @@ def _bucket(n: int, multiple: int = 64) -> int:
 
 
 def reference_states(replay_fn, tasks, traj, mask, *, source: str, max_states: int = 0,
-                     seed: int = 0, row_batch: int = 0) -> ReferenceStates:
+                     seed: int = 0, row_batch: int = 0, replayed=None) -> ReferenceStates:
   """Reference states at the turns where `mask` [B, T] is true (and the row acted).
 
   Args:
@@ -119,6 +140,8 @@ def reference_states(replay_fn, tasks, traj, mask, *, source: str, max_states: i
     max_states: keep a seeded random subset of at most this many states (0 = all), in the
       original (row, turn) order.
     row_batch: see `replay_env_states`.
+    replayed: `replay_env_states(replay_fn, tasks, traj, row_batch)` if already computed (the
+      reference and the error states of one trajectory set replay it once).
   The prefix width P is the longest prefix rounded up to a multiple of 64 (`pad_prefix` widens).
   """
   mask = np.asarray(mask, bool) & np.asarray(traj.acted, bool)
@@ -126,8 +149,9 @@ def reference_states(replay_fn, tasks, traj, mask, *, source: str, max_states: i
   if max_states and len(rows) > max_states:
     keep = np.sort(np.random.default_rng(seed).choice(len(rows), max_states, replace=False))
     rows, turns = rows[keep], turns[keep]
-  states = replay_env_states(replay_fn, tasks, traj, row_batch)
-  env_state = jax.tree.map(lambda x: x[jnp.asarray(rows), jnp.asarray(turns)], states)
+  states = (replay_env_states(replay_fn, tasks, traj, row_batch) if replayed is None
+            else replayed)
+  env_state = _take_rows(_to_host(states), rows, turns)
   turn_start = np.asarray(traj.turn_start)
   prefix_len = turn_start[rows, turns].astype(np.int32)
   p = _bucket(int(prefix_len.max()) if len(rows) else 1)
@@ -158,7 +182,7 @@ def concat_states(parts: Sequence[ReferenceStates]) -> ReferenceStates:
   return ReferenceStates(
       prefix=np.concatenate([pad_prefix(r, p).prefix for r in parts]),
       prefix_len=np.concatenate([r.prefix_len for r in parts]),
-      env_state=jax.tree.map(lambda *xs: jnp.concatenate(xs), *[r.env_state for r in parts]),
+      env_state=_concat([_to_host(r.env_state) for r in parts]),
       row=np.concatenate([r.row for r in parts]), turn=np.concatenate([r.turn for r in parts]),
       prev_error_kind=np.concatenate([r.prev_error_kind for r in parts]),
       source=np.concatenate([r.source for r in parts]),
@@ -168,11 +192,10 @@ def concat_states(parts: Sequence[ReferenceStates]) -> ReferenceStates:
 # ---- next action --------------------------------------------------------------------------------
 
 
-def next_actions(fn: Callable[..., NextAction], params, refs: ReferenceStates, key,
-                 temperature: float, batch_size: int, order: bool = True
-                 ) -> dict[str, np.ndarray]:
+def next_actions(fn: NextActionFn, params, refs: ReferenceStates, key, temperature: float,
+                 batch_size: int, order: bool = True) -> dict[str, np.ndarray]:
   """Runs `fn` (from `jaxagent.rollout.replay.make_next_action_fn`) over all states in
-  fixed-size batches.
+  fixed-size batches: `next_actions_at` with one decoding (key, temperature).
 
   The last batch is padded with copies of state 0 (dropped from the output), so every call has
   the shape [batch_size, P]. Batch i uses fold_in(key, i). order: batch the states by prefix
@@ -185,12 +208,25 @@ def next_actions(fn: Callable[..., NextAction], params, refs: ReferenceStates, k
   Returns host arrays [N]: valid_call, oracle_match (bool), error_kind, length, scored (int32),
   entropy, oracle_logp (float32; `jaxagent.rollout.replay.NextAction`), and tokens [N, A_env].
   """
+  return next_actions_at(fn, params, refs, [(key, temperature)], batch_size, order)[0]
+
+
+def next_actions_at(fn: NextActionFn, params, refs: ReferenceStates,
+                    decodings: Sequence[tuple[Any, float]], batch_size: int,
+                    order: bool = True) -> list[dict[str, np.ndarray]]:
+  """`next_actions` of one policy on the same states for several decodings (key, temperature):
+  each batch is prefilled once (`NextActionFn.prefill`) and decoded once per decoding
+  (`NextActionFn.act`, batch i with fold_in(key, i) as `next_actions`), so outcome j equals
+  next_actions(fn, params, refs, *decodings[j], batch_size, order), at the cost of one prefill
+  for all (greedy and sampled share it, and so does the sharpening sweep's every temperature).
+  Returns one outcome dict per decoding, in their order.
+  """
   n = len(refs)
-  out: dict[str, list] = {k: [] for k in FIELDS}
+  outs: list[dict[str, list]] = [{k: [] for k in FIELDS} for _ in decodings]
   if n == 0:
-    return {k: np.zeros((0,), FIELDS[k]) for k in out if k != "tokens"} | {
-        "tokens": np.zeros((0, 0), np.int32)}
-  sc = sampler.SamplingConfig.make(temperature)
+    return [{k: np.zeros((0,), FIELDS[k]) for k in FIELDS if k != "tokens"} | {
+        "tokens": np.zeros((0, 0), np.int32)} for _ in decodings]
+  scs = [sampler.SamplingConfig.make(t) for _, t in decodings]
   # Batches are gathered on the host: eager device gathers compiled a program per state leaf
   # shape (10 of the smoke study's comparison's 160 compiles).
   states = jax.tree.map(
@@ -201,14 +237,16 @@ def next_actions(fn: Callable[..., NextAction], params, refs: ReferenceStates, k
     idx = np.arange(start, start + batch_size)
     real = idx < n
     idx = perm[np.where(real, idx, 0)]
-    got = fn(params, jnp.asarray(refs.prefix[idx]), jnp.asarray(refs.prefix_len[idx]),
-             jax.tree.map(lambda x: jnp.asarray(x[idx]), states),
-             jax.random.fold_in(key, i), sc)
-    got = jax.device_get(got)
-    for k in out:
-      out[k].append(np.asarray(getattr(got, k))[real])
+    logits, cache = fn.prefill(params, jnp.asarray(refs.prefix[idx]),
+                               jnp.asarray(refs.prefix_len[idx]))
+    batch_states = jax.tree.map(lambda x: jnp.asarray(x[idx]), states)
+    for out, (key, _), sc in zip(outs, decodings, scs):
+      got = jax.device_get(fn.act(params, cache, logits, batch_states,
+                                  jax.random.fold_in(key, i), sc))
+      for k in out:
+        out[k].append(np.asarray(getattr(got, k))[real])
   inv = np.argsort(perm)
-  return {k: np.concatenate(v)[inv] for k, v in out.items()}
+  return [{k: np.concatenate(v)[inv] for k, v in out.items()} for out in outs]
 
 
 # ---- rates --------------------------------------------------------------------------------------

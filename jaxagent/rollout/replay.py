@@ -96,15 +96,36 @@ class NextAction:
                            # token is the arg-max, else -inf)
 
 
-def make_next_action_fn(mcfg: ModelConfig, env, max_action_tokens: int):
-  """jit(fn(params, prefix [N,P], prefix_len [N], env_state [N], key, sc) -> NextAction).
+class NextActionFn:
+  """A policy's next action at N states, in two compiled halves so several decodings of the same
+  states share one prefill (the bulk of the cost: ~80% of a 32-state call of the quick sokoban
+  study's micro model):
+
+      logits, cache = fn.prefill(params, prefix, prefix_len)      # the prefixes, once
+      out = fn.act(params, cache, logits, env_state, key, sc)     # per decoding (key, T)
+      out = fn(params, prefix, prefix_len, env_state, key, sc)    # both (one decoding)
+
+  `act` does not consume the cache (jit copies what it updates), so it may run many times on one
+  prefill: greedy, sampled and every temperature of the sharpening sweep."""
+
+  def __init__(self, prefill, act):
+    self.prefill, self.act = prefill, act
+
+  def __call__(self, params, prefix, prefix_len, env_state, key, sc) -> "NextAction":
+    logits, cache = self.prefill(params, prefix, prefix_len)
+    return self.act(params, cache, logits, env_state, key, sc)
+
+
+def make_next_action_fn(mcfg: ModelConfig, env, max_action_tokens: int) -> NextActionFn:
+  """`NextActionFn`: fn(params, prefix [N,P], prefix_len [N], env_state [N], key, sc) ->
+  NextAction, with its halves fn.prefill and fn.act.
 
   The KV cache holds P + max_action_tokens slots; positions are slot indices, as in a rollout,
   so greedy decoding reproduces the action a greedy rollout took at the same prefix. The action
   the environment receives is the decoded tokens without the end-of-turn token (a turn that hits
-  `max_action_tokens` without it is cut there), exactly as the rollout engine does. Compiled once
-  per (P, N); params, contents, key and sampling knobs (`sampler.SamplingConfig`) are traced.
-  A new function object on every call (no cache): build it once and share it.
+  `max_action_tokens` without it is cut there), exactly as the rollout engine does. Each half is
+  compiled once per (P, N); params, contents, key and sampling knobs (`sampler.SamplingConfig`)
+  are traced. A new function object on every call (no cache): build it once and share it.
 
   Raises:
     ValueError: unless 2 <= max_action_tokens <= env.max_action_len.
@@ -115,12 +136,16 @@ def make_next_action_fn(mcfg: ModelConfig, env, max_action_tokens: int):
     raise ValueError(f"max_action_tokens={a} must be in [2, the environment's max_action_len = "
                      f"{a_env}] (it counts the end-of-turn token)")
 
-  def decode(params, prefix, prefix_len, key, sc, oracle: TokenBuffer):
-    """(the action, the policy's distribution at these states measured: the entropy of the
-    sampled tokens, how many were scored, and log p(oracle action + <eot>))."""
+  def prefill(params, prefix, prefix_len):
+    """(logits [N, V] of each prefix's next token, the KV cache of P + a slots holding them)."""
     n, p = prefix.shape
     cache = decoder.init_cache(mcfg, n, p + a)
-    logits, cache = sampler.prefill(mcfg, params, cache, prefix, prefix_len)
+    return sampler.prefill(mcfg, params, cache, prefix, prefix_len)
+
+  def decode(params, cache, logits, key, sc, oracle: TokenBuffer):
+    """(the action, the policy's distribution at these states measured: the entropy of the
+    sampled tokens, how many were scored, and log p(oracle action + <eot>))."""
+    n = logits.shape[0]
     gen = sampler.decode(mcfg, params, cache, logits, key, sc,
                          max_new=jnp.full((n,), a, jnp.int32),
                          stop_tokens=jnp.full((n, 1), eot, jnp.int32), max_new_tokens=a,
@@ -134,16 +159,16 @@ def make_next_action_fn(mcfg: ModelConfig, env, max_action_tokens: int):
     return TokenBuffer(tokens=toks, length=n_act), measured
 
   if isinstance(env, HostEnv):
-    return _host_next_action_fn(env, jax.jit(decode))
+    return NextActionFn(jax.jit(prefill), _host_next_action_fn(env, jax.jit(decode)))
 
-  def run(params, prefix, prefix_len, env_state, key, sc):
-    action, measured = decode(params, prefix, prefix_len, key, sc,
+  def act(params, cache, logits, env_state, key, sc):
+    action, measured = decode(params, cache, logits, key, sc,
                               jax.vmap(env.oracle_action)(env_state))
     _, _, info = jax.vmap(env.step)(env_state, action)
     return NextAction(tokens=action.tokens, length=action.length, valid_call=info.valid_call,
                       oracle_match=info.oracle_match, error_kind=info.error_kind, **measured)
 
-  return jax.jit(run)
+  return NextActionFn(jax.jit(prefill), jax.jit(act))
 
 
 # ---- host environments ----------------------------------------------------------------------
@@ -194,13 +219,14 @@ def rebuild_host_states(env: HostEnv, recipe: HostReplayState):
 
 
 def _host_next_action_fn(env: HostEnv, decode):
-  """`make_next_action_fn` for a host environment: the jitted decode, then the host step of
-  each state rebuilt from its recipe (`rebuild_host_states`). Returns numpy `NextAction`s."""
+  """`NextActionFn.act` for a host environment: the jitted decode from the prefilled cache, then
+  the host step of each state rebuilt from its recipe (`rebuild_host_states`). Returns numpy
+  `NextAction`s."""
 
-  def run(params, prefix, prefix_len, env_state, key, sc):
+  def run(params, cache, logits, env_state, key, sc):
     state = rebuild_host_states(env, env_state)
     oracle = env.oracle_action(state)          # before the step: the oracle of this state
-    action, measured = jax.device_get(decode(params, prefix, prefix_len, key, sc, oracle))
+    action, measured = jax.device_get(decode(params, cache, logits, key, sc, oracle))
     _, _, info = env.step(state, action)
     return NextAction(tokens=action.tokens, length=action.length, valid_call=info.valid_call,
                       oracle_match=info.oracle_match, error_kind=info.error_kind, **measured)

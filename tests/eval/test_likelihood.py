@@ -1,5 +1,7 @@
 """Log-likelihoods: agent-token masking by hand, and the cross matrix against a direct forward."""
 
+import types
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -97,3 +99,41 @@ def test_environment_tokens_do_not_count(two_policies):
   diff = likelihood.cross_likelihood(SMALL, {"x": agent_changed}, {"A": two_policies["A"]},
                                      temperature=1.0, batch_size=2)["per_trajectory"]["x"]["A"]
   assert np.all(np.abs(diff["sum"] - base) > 1e-4)
+
+
+def test_fewer_rows_than_a_batch_score_in_a_fitted_batch(two_policies):
+  assert [likelihood.fit_batch(n, 32) for n in (1, 8, 9, 16, 31, 32, 100)] == [
+      8, 8, 16, 16, 32, 32, 32]
+  assert likelihood.fit_batch(3, 4) == 4
+  t = _trajs(2, 5)
+  got = likelihood.score_rows(SMALL, two_policies["A"], t["tokens"], t["length"], 1.0, 32)
+  s, _ = _direct(two_policies["A"], t["tokens"], t["length"], t["loss_mask"], 1.0)
+  np.testing.assert_allclose((got * t["loss_mask"]).sum(1), s, rtol=1e-4, atol=1e-4)
+  # The same rows scored in batches of 2 (padded last batch): the same log-probs.
+  by2 = likelihood.score_rows(SMALL, two_policies["A"], t["tokens"], t["length"], 1.0, 2)
+  np.testing.assert_allclose(got, by2, rtol=1e-5, atol=1e-5)
+
+
+def test_a_policy_and_its_sharpened_self_score_from_one_forward_pass(two_policies, monkeypatch):
+  """`compare.LogLikelihoods`: labels sharing one params object (a base, the base sharpened)
+  score a trajectory set in one call, each at its own temperature, equal to scoring alone."""
+  from jaxagent.eval import compare
+  ev = types.SimpleNamespace(model_config=SMALL, likelihood_rows=lambda n: np.arange(n))
+  e = types.SimpleNamespace(temperature=1.0, score_batch=4)
+  sets = {k: types.SimpleNamespace(**_trajs(seed, 5)) for seed, k in enumerate("AB")}
+  ll = compare.LogLikelihoods(ev, two_policies, sets, e)
+  ll.add("A@T0.5", two_policies["A"], sets["A"], 0.5)
+  ll.add("A@T0", two_policies["A"], sets["A"], 0.0)
+  calls = []
+  real = likelihood.score_rows_at
+  monkeypatch.setattr(likelihood, "score_rows_at",
+                      lambda *a, **k: calls.append(a[4]) or real(*a, **k))
+  got = {b: ll("B", b) for b in ("A", "A@T0.5", "A@T0", "B")}
+  assert calls == [[0.5, 1.0], [1.0]]       # A and A@T0.5 together; B alone; greedy: none
+  t = sets["B"]
+  for b, p, temp in (("A", "A", 1.0), ("A@T0.5", "A", 0.5), ("B", "B", 1.0)):
+    s, c = _direct(two_policies[p], t.tokens, t.length, t.loss_mask, temp)
+    np.testing.assert_allclose(got[b]["sum"], s, rtol=1e-4, atol=1e-4, err_msg=b)
+    np.testing.assert_allclose(got[b]["count"], c)
+  assert np.all(np.isnan(got["A@T0"]["sum"]))
+  assert not np.allclose(got["A"]["sum"], got["A@T0.5"]["sum"])

@@ -75,9 +75,20 @@ def test_greedy_next_action_reproduces_greedy_rollout(setup):
   # Sampling, and other parameters, reuse the compiled program.
   other = jax.tree.map(lambda x: x * 1.01, policy.params)
   sampled = step_quality.next_actions(fn, other, refs, jax.random.key(1), 1.0, batch_size=4)
-  assert fn._cache_size() == 1
+  assert fn.prefill._cache_size() == 1 and fn.act._cache_size() == 1
   assert sampled["valid_call"].shape == (len(refs),)
   assert np.all((sampled["length"] >= 0) & (sampled["length"] <= ACTION_TOKENS))
+  # Several decodings from one prefill per batch are each the decoding run alone.
+  decodings = [(jax.random.key(0), 0.0), (jax.random.key(1), 1.0), (jax.random.key(1), 0.5)]
+  together = step_quality.next_actions_at(fn, other, refs, decodings, batch_size=4)
+  alone = [step_quality.next_actions(fn, other, refs, k, t, batch_size=4) for k, t in decodings]
+  assert len(together) == 3
+  for got_j, want_j in zip(together, alone):
+    assert set(got_j) == set(want_j)
+    for k in want_j:
+      np.testing.assert_allclose(got_j[k], want_j[k], rtol=1e-6, atol=1e-6, err_msg=k)
+  np.testing.assert_array_equal(together[1]["tokens"], sampled["tokens"])
+  assert fn.prefill._cache_size() == 1 and fn.act._cache_size() == 1
 
 
 def test_replay_budget_visibility(setup):
