@@ -35,7 +35,7 @@ CACHE_BLOCK = 128
 # Queries per block of the causal attention without a cache (see `causal_attention`).
 QUERY_BLOCK = 128
 _NEG = -1e30  # finite "minus infinity": fully masked rows stay NaN-free
-_AUTO: dict = {}   # the process's verdicts once known: {"kernel": bool, "small": bool}
+_AUTO: dict = {}   # the process's verdicts once known: {"kernel": bool, "small_matmul": bool}
 
 
 def kernel_enabled(impl: str) -> bool:
@@ -59,19 +59,26 @@ def use_kernel(impl: str, q, k_all, v_all, chunk: bool = False) -> bool:
       kernel_enabled(impl)
 
 
-def _auto_takes_kernel() -> bool:
-  if "kernel" not in _AUTO:
-    verdict = cpu.read_verdict()
+def _measured_choice(flag: str, read, measure, describe) -> bool:
+  """verdict[flag] of a choice measured once per machine: read from the kernel's cached verdict
+  file, else measured now (eagerly: this may run inside a trace) and cached; logged once per
+  process with describe(verdict)."""
+  if flag not in _AUTO:
+    verdict = read()
     if verdict is None:
-      with jax.ensure_compile_time_eval():   # may run inside a trace: measure eagerly
-        verdict = _measure_auto()
+      with jax.ensure_compile_time_eval():
+        verdict = measure()
       cpu.write_verdict(verdict)
-    logging.info("jaxagent: attention auto takes %s on this CPU (one layer's turn: "
-                 "kernel %.2f ms, XLA %.2f ms; verdict cached in %s)",
-                 "the kernel" if verdict["kernel"] else "XLA", verdict["kernel_ms"],
-                 verdict["xla_ms"], cpu.verdict_path())
-    _AUTO["kernel"] = bool(verdict["kernel"])
-  return _AUTO["kernel"]
+    logging.info("jaxagent: %s (cached in %s)", describe(verdict), cpu.verdict_path())
+    _AUTO[flag] = bool(verdict[flag])
+  return _AUTO[flag]
+
+
+def _auto_takes_kernel() -> bool:
+  return _measured_choice(
+      "kernel", cpu.read_verdict, lambda: _measure_auto(),
+      lambda v: (f"attention auto takes {'the kernel' if v['kernel'] else 'XLA'} on this CPU "
+                 f"(one layer's turn: kernel {v['kernel_ms']:.2f} ms, XLA {v['xla_ms']:.2f} ms)"))
 
 
 # The measured layers: (rows, kv heads, query groups, head size, capacity, hidden, mlp), a
@@ -125,18 +132,11 @@ def small_products() -> bool:
   ms; on 8-lane builds XLA's measured 2-3x faster."""
   if cpu.vector_lanes() < 16:
     return False
-  if "small" not in _AUTO:
-    verdict = cpu.read_small_verdict()
-    if verdict is None:
-      with jax.ensure_compile_time_eval():   # may run inside a trace: measure eagerly
-        verdict = _measure_small()
-      cpu.write_verdict(verdict)
-    logging.info("jaxagent: a kernel decode step's few-row products take %s on this CPU "
-                 "(small_matmul %.2f ms, XLA %.2f ms; cached in %s)",
-                 "small_matmul" if verdict["small_matmul"] else "XLA",
-                 verdict["small_matmul_ms"], verdict["xla_matmul_ms"], cpu.verdict_path())
-    _AUTO["small"] = bool(verdict["small_matmul"])
-  return _AUTO["small"]
+  return _measured_choice(
+      "small_matmul", cpu.read_small_verdict, lambda: _measure_small(),
+      lambda v: (f"a kernel decode step's few-row products take "
+                 f"{'small_matmul' if v['small_matmul'] else 'XLA'} on this CPU (small_matmul "
+                 f"{v['small_matmul_ms']:.2f} ms, XLA {v['xla_matmul_ms']:.2f} ms)"))
 
 
 def _measure_small(rounds: int = 5) -> dict:

@@ -510,7 +510,7 @@ def test_the_build_reports_its_vector_width_and_decode_products_follow_it(build,
   cache = decoder.init_cache(cfg, 2, 16)
   for lanes, faster, small in ((16, True, True), (16, False, False), (8, True, False)):
     monkeypatch.setattr(cpu, "vector_lanes", lambda lanes=lanes: lanes)
-    monkeypatch.setattr(attention, "_AUTO", {"small": faster})   # the measured verdict
+    monkeypatch.setattr(attention, "_AUTO", {"small_matmul": faster})   # the measured verdict
     step = lambda p, c: decoder.apply(cfg, p, jnp.ones((2, 1), jnp.int32), cache=c)[0]  # new trace
     text = jax.jit(step).lower(params, cache).as_text()
     assert (cpu._MATMUL_TARGET in text) == small
