@@ -246,18 +246,24 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   elif variant == "smoke":
     c.env.name = "lookup"
     c.env.difficulty = ml_collections.ConfigDict({"hops": 1, "distractor_entities": 2})
-    c.data.num_train, c.data.num_validation, c.data.num_test = 64, 16, 16
-    c.data.demo_episodes_per_task = 1
-    c.data.demo_max_turns = 4
-    c.sft.steps, c.sft.batch_size, c.sft.warmup_steps = 4, 8, 1
-    c.rl.steps, c.rl.num_tasks, c.rl.group_size, c.rl.budget = 2, 2, 4, "mix:1,2"
-    c.checkpoint_every = 2
-    c.progress_bar = False
-    c.eval.num_samples, c.eval.max_turns, c.eval.rerun_budgets = 4, 4, "2,3,4"
-    c.eval.tasks_per_batch, c.eval.max_reference_states = 8, 24
-    c.eval.state_batch, c.eval.score_batch, c.eval.num_bootstrap = 16, 16, 200
-    c.eval.likelihood_trajectories = 0
-    c.eval.curve_ks = "1,2,4"
-    c.study.tight_budget, c.study.generous_budget, c.study.mix_budget = "fixed:2", "fixed:4", "mix:2,4"
-    c.study.seeds, c.study.min_tasks = 2, 4
+    smoke_sizes(c)
   return c
+
+
+def smoke_sizes(c: ml_collections.ConfigDict) -> None:
+  """The smoke variant's sizes (seconds to a few minutes), on any environment: configs/sql.py's
+  smoke takes them too."""
+  c.data.num_train, c.data.num_validation, c.data.num_test = 64, 16, 16
+  c.data.demo_episodes_per_task = 1
+  c.data.demo_max_turns = 4
+  c.sft.steps, c.sft.batch_size, c.sft.warmup_steps = 4, 8, 1
+  c.rl.steps, c.rl.num_tasks, c.rl.group_size, c.rl.budget = 2, 2, 4, "mix:1,2"
+  c.checkpoint_every = 2
+  c.progress_bar = False
+  c.eval.num_samples, c.eval.max_turns, c.eval.rerun_budgets = 4, 4, "2,3,4"
+  c.eval.tasks_per_batch, c.eval.max_reference_states = 8, 24
+  c.eval.state_batch, c.eval.score_batch, c.eval.num_bootstrap = 16, 16, 200
+  c.eval.likelihood_trajectories = 0
+  c.eval.curve_ks = "1,2,4"
+  c.study.tight_budget, c.study.generous_budget, c.study.mix_budget = "fixed:2", "fixed:4", "mix:2,4"
+  c.study.seeds, c.study.min_tasks = 2, 4

@@ -73,19 +73,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
         "db_seed": 0, "num_databases": 4, "questions_per_database": 32, "min_tables": 1,
         "max_tables": 1, "schema": "full", "result_rows": 3, "result_cell_chars": 24,
         "result_chars": 120})
-    c.data.num_train, c.data.num_validation, c.data.num_test = 64, 16, 16
-    c.data.demo_episodes_per_task = 1
-    c.data.demo_max_turns, c.data.demo_max_len = 4, 1024
-    c.sft.steps, c.sft.batch_size, c.sft.warmup_steps = 4, 8, 1
-    c.rl.steps, c.rl.num_tasks, c.rl.group_size, c.rl.budget = 2, 2, 4, "mix:2,3"
-    c.checkpoint_every = 2
-    c.progress_bar = False
-    c.eval.num_samples, c.eval.max_turns, c.eval.rerun_budgets = 4, 4, "2,3,4"
-    c.eval.tasks_per_batch, c.eval.max_reference_states = 8, 24
-    c.eval.state_batch, c.eval.score_batch, c.eval.num_bootstrap = 16, 16, 200
-    c.eval.likelihood_trajectories = 0
-    c.eval.curve_ks = "1,2,4"
-    c.study.tight_budget, c.study.generous_budget = "fixed:2", "fixed:4"
-    c.study.mix_budget = "mix:2,4"
-    c.study.seeds, c.study.min_tasks = 2, 4
+    default.smoke_sizes(c)
+    c.data.demo_max_len = 1024
+    c.rl.budget = "mix:2,3"
   return c
